@@ -1,0 +1,33 @@
+# `make test` and `make profile` work on a fresh machine: they create .venv, install torch
+# (pinned, overridable: `make test TORCH="torch==2.14.1"`), then this package with its extras.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-slow profile bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,profile]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow"
+
+profile: $(STAMP)
+	$(VENV)/bin/moe-ffn profile
+
+bench: $(STAMP)
+	$(PY) profiling/bench.py
+
+clean:
+	rm -rf $(VENV) runs profiling/results/*.trace.json

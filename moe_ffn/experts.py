@@ -1,0 +1,137 @@
+"""The expert bank: every expert's weights in single batched tensors.
+
+Legend: N rows (assignments sorted by expert), D model dim, F hidden dim per expert,
+E experts.
+
+Layout, written down once (interop converts to and from it):
+- gated experts: `gate_up_proj` [E, 2F, D], rows [:F] the gate projection W_gate and rows
+  [F:] the up projection W_up; `down_proj` [E, D, F];
+- classic experts: `up_proj` [E, F, D] and `down_proj` [E, D, F];
+- optional biases `gate_up_bias` [E, 2F] / `up_bias` [E, F] and `down_bias` [E, D].
+Each expert's matrix is stored as nn.Linear stores its weight ([out, in]).
+
+The dense blocks (dense.py) are this bank with E = 1; the MoE layer (moe.py) feeds it rows
+sorted by expert. There is no second implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from moe_ffn._checks import positive_int
+from moe_ffn.activations import canonical_activation, get_activation
+from moe_ffn.grouped import grouped_linear
+
+__all__ = ["GatedExperts", "MLPExperts"]
+
+
+class _ExpertBank(nn.Module):
+    """Shared construction, init and repr of the two expert kinds."""
+
+    num_experts: int
+    dim: int
+    hidden_dim: int
+    activation: str
+
+    def _setup(self, num_experts, dim, hidden_dim, activation, allowed_activations):
+        self.num_experts = positive_int("num_experts", num_experts)
+        self.dim = positive_int("dim", dim)
+        self.hidden_dim = positive_int("hidden_dim", hidden_dim)
+        self.activation = canonical_activation(activation, allowed_activations)
+        self._act = get_activation(self.activation)
+
+    def _projections(self) -> list[tuple[Tensor, Tensor | None]]:
+        raise NotImplementedError  # each subclass lists its (weight, bias) pairs
+
+    def reset_parameters(self) -> None:
+        """Each expert's projection is initialised as nn.Linear initialises its own:
+        weight and bias U(−1/√fan_in, 1/√fan_in), fan_in = in-features (D for the up/gate
+        projections, F for the down projection)."""
+        for weight, bias in self._projections():
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+            if bias is not None:
+                nn.init.uniform_(bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        bias = any(b is not None for _, b in self._projections())
+        experts = f"num_experts={self.num_experts}, " if self.num_experts != 1 else ""
+        return (
+            f"{experts}dim={self.dim}, hidden_dim={self.hidden_dim}, "
+            f"activation={self.activation!r}, bias={bias}"
+        )
+
+
+class GatedExperts(_ExpertBank):
+    """E gated FFN experts: (act(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, act on the gate only."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        activation: str = "silu",
+        bias: bool = False,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self._setup(num_experts, dim, hidden_dim, activation, None)
+        E, D, F = self.num_experts, self.dim, self.hidden_dim
+        kw = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F, D, **kw))
+        self.down_proj = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * F, **kw)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
+        self.reset_parameters()
+
+    def _projections(self):
+        return [(self.gate_up_proj, self.gate_up_bias), (self.down_proj, self.down_bias)]
+
+    def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:
+        """Args:
+            x_ND: [N, D] rows sorted by expert.
+            tokens_per_expert_E: [E] rows per expert; None when E = 1 (all rows).
+        Returns: [N, D]; rows past the counted ones are zero.
+        """
+        h_N2F = grouped_linear(x_ND, self.gate_up_proj, tokens_per_expert_E, self.gate_up_bias)
+        gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
+        h_NF = self._act(gate_NF) * up_NF
+        return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
+
+
+class MLPExperts(_ExpertBank):
+    """E classic FFN experts: act(x·W_upᵀ + b_up)·W_downᵀ + b_down."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self._setup(num_experts, dim, hidden_dim, activation, ("relu", "gelu", "gelu_tanh", "silu"))
+        E, D, F = self.num_experts, self.dim, self.hidden_dim
+        kw = {"device": device, "dtype": dtype}
+        self.up_proj = nn.Parameter(torch.empty(E, F, D, **kw))
+        self.down_proj = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.up_bias = nn.Parameter(torch.empty(E, F, **kw)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
+        self.reset_parameters()
+
+    def _projections(self):
+        return [(self.up_proj, self.up_bias), (self.down_proj, self.down_bias)]
+
+    def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:
+        """Same contract as `GatedExperts.forward`."""
+        h_NF = self._act(grouped_linear(x_ND, self.up_proj, tokens_per_expert_E, self.up_bias))
+        return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)

@@ -1,0 +1,240 @@
+"""The Mixture-of-Experts layer: router → permute → experts → unpermute → dropout.
+
+Legend: T tokens, D model dim, E experts, K top-k, N = T·K assignments.
+
+Each stage lives in its own module and data flows one way:
+router.py (which experts, what weights) → dispatch.py (rows into expert order) →
+experts.py (grouped matmuls over the batched weights) → dispatch.py (back, weighted sum).
+The layer keeps the routing of its last forward in `self.stats` (no global lists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from moe_ffn import dispatch
+from moe_ffn._checks import check_features
+from moe_ffn.config import MoEConfig
+from moe_ffn.dense import GatedFFN
+from moe_ffn.experts import GatedExperts
+from moe_ffn.losses import load_balancing_loss, router_z_loss, tokens_per_expert
+from moe_ffn.router import TopKRouter
+
+__all__ = ["MoE", "MoEStats", "collect_aux_loss", "pooled_load_balancing_loss", "update_expert_biases"]
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one forward of a MoE layer routed, and its auxiliary losses.
+
+    Per-token fields cover every token; counts and losses leave masked (padding) tokens out.
+    """
+
+    router_logits_TE: Tensor  # router precision (float32, or float64)
+    router_probs_TE: Tensor  # the distribution the balance loss averages
+    expert_ids_TK: Tensor  # chosen experts
+    weights_TK: Tensor  # combine weights
+    mask_T: Tensor | None  # True for real tokens; None: all tokens are real
+    tokens_per_expert_E: Tensor  # routed assignments per expert (before capacity drops)
+    num_dropped: Tensor  # assignments dropped by the capacity limit (0-dim int64)
+    balance_loss: Tensor  # load-balancing loss, normalised as configured
+    z_loss: Tensor  # router z-loss
+    aux_loss: Tensor  # aux_loss_coef·balance_loss + z_loss_coef·z_loss
+
+
+class MoE(nn.Module):
+    """Sparse Mixture-of-Experts FFN with top-k routing over a bank of gated experts.
+
+    Build it with keyword fields of `MoEConfig`, or from a config:
+        MoE(dim=4096, hidden_dim=14336, num_experts=8, top_k=2)   # Mixtral's FFN
+        MoE(config, device="meta")
+
+    Attributes:
+        router.weight: [E, D]
+        experts.gate_up_proj: [E, 2F, D], rows [:F] gate, [F:] up
+        experts.down_proj: [E, D, F]
+        shared_experts: a GatedFFN applied to every token (if num_shared_experts > 0)
+        stats: MoEStats of the last forward (None before the first)
+    """
+
+    def __init__(self, config: MoEConfig | None = None, *, device=None, dtype=None, **fields) -> None:
+        super().__init__()
+        if config is None:
+            config = MoEConfig(**fields)
+        elif not isinstance(config, MoEConfig):
+            raise TypeError(
+                f"MoE expects a MoEConfig or keyword fields (MoE(dim=..., ...)), got {type(config).__name__}"
+            )
+        elif fields:
+            raise TypeError(f"pass either a MoEConfig or keyword fields, not both (got {sorted(fields)})")
+        self.config = cfg = config
+        kw = {"device": device, "dtype": dtype}
+        self.router = TopKRouter(
+            cfg.dim,
+            cfg.num_experts,
+            cfg.top_k,
+            cfg.routing,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+            expert_bias=cfg.expert_bias_update_rate is not None,
+            **kw,
+        )
+        self.experts = GatedExperts(cfg.num_experts, cfg.dim, cfg.hidden_dim, cfg.activation, cfg.bias, **kw)
+        self.shared_experts = None
+        self.shared_expert_gate = None
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedFFN(cfg.dim, cfg.shared_width, cfg.bias, activation=cfg.activation, **kw)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, **kw)
+        if cfg.expert_bias_update_rate is not None:
+            # Assignments per expert since the last `update_expert_bias()`; not saved.
+            self.register_buffer(
+                "expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64, device=device), persistent=False
+            )
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.stats: MoEStats | None = None
+
+    def reset_parameters(self) -> None:
+        """Router, experts and shared experts as nn.Linear initialises (see each module)."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.reset_parameters()
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Args:
+            x: [..., D] floating point.
+            attention_mask: optional [...] (x.shape[:-1]); 1/True marks real tokens. Padding
+                tokens are still computed but leave the balance loss, z-loss and counts.
+        Returns: [..., D] in x's dtype.
+        """
+        cfg = self.config
+        check_features(x, cfg.dim, "MoE")
+        x_TD = x.reshape(-1, cfg.dim)
+        mask_T = self._flat_mask(attention_mask, x.shape[:-1])
+
+        x_router_TD = x_TD
+        if self.training and cfg.jitter_noise > 0:
+            noise_TD = torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter_noise, 1.0 + cfg.jitter_noise)
+            x_router_TD = x_TD * noise_TD
+            if cfg.jitter_scope == "router_and_experts":
+                x_TD = x_router_TD
+
+        route = self.router(x_router_TD)
+        capacity = None
+        if cfg.capacity_factor is not None:
+            capacity = dispatch.expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
+        plan = dispatch.plan(route.expert_ids_TK, route.weights_TK, cfg.num_experts, capacity, cfg.drop_policy)
+        x_ND = dispatch.permute(x_TD, plan)
+        y_ND = self.experts(x_ND, plan.tokens_per_expert_E)
+        out_TD = dispatch.unpermute(y_ND, plan, route.weights_TK, x.dtype)
+
+        if self.shared_experts is not None:
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
+
+        self.stats = self._stats(route, plan, mask_T)
+        if self.training and cfg.expert_bias_update_rate is not None:
+            self.expert_load += self.stats.tokens_per_expert_E
+        return self.dropout(out_TD).reshape(x.shape)
+
+    def _flat_mask(self, attention_mask: Tensor | None, token_shape: torch.Size) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        if tuple(attention_mask.shape) != tuple(token_shape):
+            raise ValueError(
+                f"attention_mask must have shape {tuple(token_shape)} (the input's shape without "
+                f"its last dim), got {tuple(attention_mask.shape)}"
+            )
+        return attention_mask.reshape(-1).to(torch.bool)
+
+    def _stats(self, route, plan, mask_T: Tensor | None) -> MoEStats:
+        cfg = self.config
+        balance = load_balancing_loss(route.probs_TE, route.expert_ids_TK, mask_T, cfg.aux_loss_normalization)
+        z = router_z_loss(route.logits_TE, mask_T)
+        return MoEStats(
+            router_logits_TE=route.logits_TE,
+            router_probs_TE=route.probs_TE,
+            expert_ids_TK=route.expert_ids_TK,
+            weights_TK=route.weights_TK,
+            mask_T=mask_T,
+            tokens_per_expert_E=tokens_per_expert(route.expert_ids_TK, cfg.num_experts, mask_T),
+            num_dropped=plan.num_dropped,
+            balance_loss=balance,
+            z_loss=z,
+            aux_loss=cfg.aux_loss_coef * balance + cfg.z_loss_coef * z,
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing step (DeepSeek-V3); call after each optimizer step.
+
+        Rule: b_e ← b_e + u·sign(mean_load − load_e), with load_e the assignments expert e
+        received in training forwards since the last call and u = expert_bias_update_rate.
+        Over-loaded experts become less likely to be selected, under-loaded ones more; the
+        bias never enters the combine weights. The load counter is reset.
+        """
+        rate = self.config.expert_bias_update_rate
+        if rate is None:
+            raise RuntimeError("update_expert_bias needs MoEConfig.expert_bias_update_rate to be set")
+        load_E = self.expert_load.to(torch.float32)
+        self.router.expert_bias += rate * torch.sign(load_E.mean() - load_E)
+        self.expert_load.zero_()
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        parts = [f"dim={cfg.dim}, hidden_dim={cfg.hidden_dim}, num_experts={cfg.num_experts}, top_k={cfg.top_k}"]
+        if cfg.capacity_factor is not None:
+            parts.append(f"capacity_factor={cfg.capacity_factor}")
+        return ", ".join(parts)
+
+
+def _moe_layers(model_or_layers: nn.Module | Iterable[MoE]) -> list[MoE]:
+    if isinstance(model_or_layers, nn.Module):
+        return [m for m in model_or_layers.modules() if isinstance(m, MoE)]
+    return list(model_or_layers)
+
+
+def collect_aux_loss(model: nn.Module | Iterable[MoE]) -> Tensor:
+    """Sum of `stats.aux_loss` over every MoE layer of `model` that has run a forward.
+
+    Add it to the task loss: `loss = task_loss + collect_aux_loss(model)`.
+    """
+    losses = [m.stats.aux_loss for m in _moe_layers(model) if m.stats is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([l.to(losses[0].dtype) for l in losses]).sum()
+
+
+def pooled_load_balancing_loss(model: nn.Module | Iterable[MoE]) -> Tensor:
+    """transformers' convention: one balance loss over the tokens of all layers pooled.
+
+    E·Σ_e f_e·P_e with f (summing to k) and P averaged over every layer's tokens together,
+    masks included — what `load_balancing_loss_func` returns for the same router logits,
+    before `router_aux_loss_coef`. All layers must have the same E and k.
+    """
+    stats = [m.stats for m in _moe_layers(model) if m.stats is not None]
+    if not stats:
+        raise ValueError("no MoE layer has run a forward yet")
+    probs = torch.cat([s.router_probs_TE for s in stats])
+    ids = torch.cat([s.expert_ids_TK for s in stats])
+    masks = [s.mask_T for s in stats]
+    mask = None
+    if any(m is not None for m in masks):
+        mask = torch.cat([m if m is not None else torch.ones(s.expert_ids_TK.shape[0], dtype=torch.bool, device=ids.device) for m, s in zip(masks, stats)])
+    return load_balancing_loss(probs, ids, mask, "transformers")
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """`update_expert_bias()` on every MoE layer of `model` that has balancing on."""
+    for m in _moe_layers(model):
+        if m.config.expert_bias_update_rate is not None:
+            m.update_expert_bias()
