@@ -13,7 +13,7 @@ from typing import Literal, Optional
 from moe_ffn.activations import canonical_activation
 from moe_ffn.sizes import llama_intermediate_size
 
-__all__ = ["MoEConfig", "Routing", "DropPolicy", "AuxLossNormalization", "JitterScope"]
+__all__ = ["MoEConfig", "DenseConfig", "DenseKind", "Routing", "DropPolicy", "AuxLossNormalization", "JitterScope"]
 
 # softmax_topk: softmax over all E experts, then top-k (Mixtral, Qwen-MoE, OLMoE).
 # topk_softmax: top-k of the logits, then softmax over those k (Megatron pre_softmax=False, Granite).
@@ -110,3 +110,31 @@ class MoEConfig:
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
+
+
+# classic: act(x·W1ᵀ + b1)·W2ᵀ + b2 (FeedForward); gated: (act(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ (GatedFFN).
+DenseKind = Literal["classic", "gated"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseConfig:
+    kind: DenseKind  # which block; see DenseKind
+    dim: int  # model width D
+    hidden_dim: Optional[int] = None  # F; None → 4·dim (classic) or llama_intermediate_size(dim) (gated)
+    activation: Optional[str] = None  # None → "gelu" (classic) or "silu" (gated)
+    bias: Optional[bool] = None  # None → True (classic, as GPT) or False (gated, as LLaMA)
+    dropout: float = 0.0  # the one dropout, on the block's output
+
+    def __post_init__(self) -> None:
+        if self.kind not in DenseKind.__args__:
+            raise ValueError(f"DenseConfig: kind must be one of {list(DenseKind.__args__)}, got {self.kind!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"DenseConfig: dim must be a positive int, got {self.dim!r}")
+        classic = self.kind == "classic"
+        if self.hidden_dim is None:
+            object.__setattr__(self, "hidden_dim", 4 * self.dim if classic else llama_intermediate_size(self.dim))
+        if self.activation is None:
+            object.__setattr__(self, "activation", "gelu" if classic else "silu")
+        object.__setattr__(self, "activation", canonical_activation(self.activation))
+        if self.bias is None:
+            object.__setattr__(self, "bias", classic)
