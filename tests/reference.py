@@ -1,0 +1,98 @@
+"""Obviously-correct per-token reference implementations, for the tests only.
+
+They loop over tokens and experts in Python with plain float64 tensor math, written from the
+formulas (the seeds and the papers), sharing no code with moe_ffn beyond the weight layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def act(name, z):
+    if name == "silu":
+        return z / (1 + torch.exp(-z))
+    if name == "gelu":
+        return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+    if name == "relu":
+        return torch.clamp(z, min=0)
+    if name == "sigmoid":
+        return 1 / (1 + torch.exp(-z))
+    if name == "identity":
+        return z
+    raise KeyError(name)
+
+
+def gated_expert(x_D, gate_up_2FD, down_DF, activation="silu", gate_up_b=None, down_b=None):
+    """(act(W_gate x) ⊙ W_up x) W_down for one token and one expert."""
+    F = down_DF.shape[1]
+    h = gate_up_2FD @ x_D
+    if gate_up_b is not None:
+        h = h + gate_up_b
+    g, u = h[:F], h[F:]
+    y = down_DF @ (act(activation, g) * u)
+    if down_b is not None:
+        y = y + down_b
+    return y
+
+
+def classic_ffn(x_D, up_FD, down_DF, activation, up_b=None, down_b=None):
+    h = up_FD @ x_D
+    if up_b is not None:
+        h = h + up_b
+    y = down_DF @ act(activation, h)
+    return y if down_b is None else y + down_b
+
+
+def route_token(logits_E, top_k, routing="softmax_topk", norm_topk_prob=True, scale=1.0, bias_E=None):
+    """Returns (list of expert ids, list of weights) for one token, by sorting in Python."""
+    E = logits_E.shape[0]
+    if routing == "softmax_topk":
+        m = logits_E.max()
+        ex = torch.exp(logits_E - m)
+        scores = ex / ex.sum()
+    elif routing == "sigmoid_topk":
+        scores = 1 / (1 + torch.exp(-logits_E))
+    else:  # topk_softmax
+        scores = logits_E
+    select = [scores[e].detach().item() + (0.0 if bias_E is None else bias_E[e].item()) for e in range(E)]
+    ids = sorted(range(E), key=lambda e: -select[e])[:top_k]
+    if routing == "topk_softmax":
+        chosen = torch.stack([logits_E[e] for e in ids])
+        ex = torch.exp(chosen - chosen.max())
+        weights = ex / ex.sum()
+    else:
+        weights = torch.stack([scores[e] for e in ids])
+        if norm_topk_prob:
+            weights = weights / weights.sum()
+    return ids, weights * scale
+
+
+def moe_forward(x_TD, router_ED, gate_up_E2FD, down_EDF, top_k, *, routing="softmax_topk",
+                norm_topk_prob=True, scale=1.0, bias_E=None, activation="silu", keep=None,
+                shared=None):
+    """Per-token MoE. `keep(t, slot) -> bool` marks assignments that survive a capacity limit.
+    `shared`: (gate_up_2SD, down_DS, gate_weight_1D or None) applied to every token."""
+    outs = []
+    for t in range(x_TD.shape[0]):
+        x = x_TD[t]
+        ids, weights = route_token(router_ED @ x, top_k, routing, norm_topk_prob, scale, bias_E)
+        y = torch.zeros_like(x)
+        for slot, (e, w) in enumerate(zip(ids, weights)):
+            if keep is not None and not keep(t, slot):
+                continue
+            y = y + w * gated_expert(x, gate_up_E2FD[e], down_EDF[e], activation)
+        if shared is not None:
+            gu, dn, gate_w = shared
+            s = gated_expert(x, gu, dn, activation)
+            if gate_w is not None:
+                s = s / (1 + torch.exp(-(gate_w[0] @ x)))
+            y = y + s
+        outs.append(y)
+    if not outs:
+        return x_TD.new_zeros(0, x_TD.shape[1]) + 0 * router_ED.sum() + 0 * gate_up_E2FD.sum() + 0 * down_EDF.sum()
+    return torch.stack(outs)

@@ -1,0 +1,55 @@
+"""permute / unpermute are an inverse pair; plan sorts stably and counts exactly."""
+
+import torch
+
+from moe_ffn import dispatch
+
+
+def test_plan_sorts_stably_by_expert():
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    p = dispatch.plan(ids, torch.ones(3, 2), num_experts=4)
+    # flat assignments: 0:e2 1:e0 2:e0 3:e1 4:e2 5:e1 → by expert, ties in token order
+    assert p.order_N.tolist() == [1, 2, 3, 5, 0, 4]
+    assert p.tokens_per_expert_E.tolist() == [2, 2, 2, 0]
+    assert p.num_dropped.item() == 0
+
+
+def test_permute_then_unpermute_is_identity_for_unit_weights():
+    T, K, D, E = 7, 3, 5, 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    x = torch.randn(T, D, dtype=torch.float64)
+    p = dispatch.plan(ids, torch.ones(T, K), E)
+    x_ND = dispatch.permute(x, p)
+    assert x_ND.shape == (T * K, D)
+    # each sorted row is a copy of its token's row
+    torch.testing.assert_close(x_ND, x[p.order_N // K])
+    w = torch.full((T, K), 1.0 / K, dtype=torch.float64)
+    torch.testing.assert_close(dispatch.unpermute(x_ND, p, w, torch.float64), x)
+
+
+def test_unpermute_weights_each_slot():
+    ids = torch.tensor([[0, 1], [1, 0]])
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5]], dtype=torch.float64)
+    p = dispatch.plan(ids, w, 2)
+    # pretend expert e returns (e + 1)·x
+    x = torch.tensor([[1.0], [2.0]], dtype=torch.float64)
+    x_ND = dispatch.permute(x, p)
+    expert_of_row = ids.reshape(-1)[p.order_N]
+    y = dispatch.unpermute(x_ND * (expert_of_row + 1).unsqueeze(1), p, w, torch.float64)
+    torch.testing.assert_close(y, torch.tensor([[0.25 * 1 + 0.75 * 2], [2 * (0.5 * 2 + 0.5 * 1)]], dtype=torch.float64))
+
+
+def test_capacity_moves_dropped_rows_to_the_end():
+    ids = torch.tensor([[0], [0], [0], [1]])
+    w = torch.tensor([[0.1], [0.9], [0.5], [1.0]])
+    p = dispatch.plan(ids, w, 2, capacity=2, drop_policy="probs")
+    assert p.tokens_per_expert_E.tolist() == [2, 1]
+    assert p.num_dropped.item() == 1
+    assert p.order_N.tolist() == [1, 2, 3, 0]  # expert 0 keeps its two heaviest, token 0 dropped
+    p = dispatch.plan(ids, w, 2, capacity=2, drop_policy="position")
+    assert p.order_N.tolist() == [0, 1, 3, 2]  # earliest tokens kept
+
+
+def test_capacity_formula():
+    assert dispatch.expert_capacity(1.0, 10, 2, 8) == 3  # ceil(2.5)
+    assert dispatch.expert_capacity(1.25, 64, 2, 8) == 20

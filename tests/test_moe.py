@@ -1,0 +1,323 @@
+"""The MoE layer against a float64 per-token loop: outputs and every gradient."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moe_ffn import MoE, MoEConfig, SwiGLU
+from reference import gated_expert, moe_forward, route_token
+
+ATOL = 1e-12
+
+
+def make(dim=8, hidden=12, experts=4, k=2, **kw):
+    return MoE(dim=dim, hidden_dim=hidden, num_experts=experts, top_k=k, dtype=torch.float64, **kw)
+
+
+def reference(moe, x_TD, **kw):
+    cfg = moe.config
+    shared = None
+    if moe.shared_experts is not None:
+        gate_w = None if moe.shared_expert_gate is None else moe.shared_expert_gate.weight
+        shared = (moe.shared_experts.gate_up_proj[0], moe.shared_experts.down_proj[0], gate_w)
+    bias = None if moe.router.expert_bias is None else moe.router.expert_bias
+    return moe_forward(
+        x_TD, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj, cfg.top_k,
+        routing=cfg.routing, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
+        bias_E=bias, activation=cfg.activation, shared=shared, **kw)
+
+
+def assert_matches_reference(moe, x, **ref_kw):
+    """Output and gradients of the input and of every parameter, against the loop."""
+    x = x.detach().requires_grad_()
+    y = moe(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    ref = reference(moe, x.reshape(-1, moe.config.dim), **ref_kw).reshape(x.shape)
+    torch.testing.assert_close(y, ref, atol=ATOL, rtol=0)
+    w = torch.randn_like(y)
+    params = [p for p in moe.parameters()]
+    g = torch.autograd.grad((y * w).sum(), [x, *params], allow_unused=True)
+    g_ref = torch.autograd.grad((ref * w).sum(), [x, *params], allow_unused=True)
+    for name, a, b in zip(["input"] + [n for n, _ in moe.named_parameters()], g, g_ref):
+        a = torch.zeros_like(x if name == "input" else dict(moe.named_parameters())[name]) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"grad of {name}: {m}")
+    return y
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 64])
+@pytest.mark.parametrize("D", [8, 100])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_matches_per_token_loop(T, D, k):
+    moe = make(dim=D, hidden=12, experts=4, k=k)
+    assert_matches_reference(moe, torch.randn(T, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 4)])
+def test_multi_dim_inputs(shape):
+    moe = make()
+    assert_matches_reference(moe, torch.randn(*shape, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"norm_topk_prob": False},
+        {"routing": "topk_softmax"},
+        {"routing": "sigmoid_topk"},
+        {"routing": "sigmoid_topk", "norm_topk_prob": False, "routed_scaling_factor": 2.5},
+        {"activation": "gelu_tanh"},
+        {"num_shared_experts": 1},
+        {"num_shared_experts": 2, "shared_expert_gate": True},
+        {"num_shared_experts": 1, "shared_hidden_dim": 20, "shared_expert_gate": True},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_routing_options_match_loop(options):
+    moe = make(experts=6, k=2, **options)
+    assert_matches_reference(moe, torch.randn(2, 11, 8, dtype=torch.float64))
+
+
+def test_experts_without_tokens_get_exact_zero_gradients():
+    moe = make(experts=8, k=1)
+    with torch.no_grad():  # make expert 0 win every token, so 1..7 get none
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 1.0
+    x = torch.rand(6, 8, dtype=torch.float64) + 0.1
+    assert_matches_reference(moe, x)
+    moe(x).sum().backward()
+    g = moe.experts.gate_up_proj.grad
+    assert moe.stats.tokens_per_expert_E.tolist() == [6, 0, 0, 0, 0, 0, 0, 0]
+    assert torch.isfinite(g).all() and (g[1:] == 0).all() and (moe.experts.down_proj.grad[1:] == 0).all()
+    assert g[0].abs().sum() > 0
+
+
+def test_top_k_equals_num_experts_uses_every_expert():
+    moe = make(experts=3, k=3)
+    y = assert_matches_reference(moe, torch.randn(5, 8, dtype=torch.float64))
+    assert moe.stats.tokens_per_expert_E.tolist() == [5, 5, 5]
+    assert y.shape == (5, 8)
+
+
+def test_expert_bias_changes_selection_not_weights():
+    moe = make(experts=4, k=2, expert_bias_update_rate=0.01)
+    x = torch.randn(9, 8, dtype=torch.float64)
+    with torch.no_grad():
+        moe.router.expert_bias.copy_(torch.tensor([0.0, 5.0, 0.0, 5.0]))  # force experts 1 and 3
+    assert_matches_reference(moe, x)
+    assert sorted(set(moe.stats.expert_ids_TK.flatten().tolist())) == [1, 3]
+    probs = torch.softmax(x @ moe.router.weight.T, -1)
+    chosen = probs.gather(1, moe.stats.expert_ids_TK)
+    torch.testing.assert_close(moe.stats.weights_TK, chosen / chosen.sum(1, keepdim=True))
+
+
+def test_expert_bias_update_rule():
+    moe = make(experts=4, k=1, expert_bias_update_rate=0.001)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[2] = 1.0
+    moe.train()
+    moe(torch.rand(10, 8, dtype=torch.float64))  # every token to expert 2
+    assert moe.expert_load.tolist() == [0, 0, 10, 0]
+    moe.update_expert_bias()
+    # mean load 2.5: expert 2 is over-loaded (bias down), the others under-loaded (bias up)
+    torch.testing.assert_close(moe.router.expert_bias, torch.tensor([0.001, 0.001, -0.001, 0.001]))
+    assert moe.expert_load.tolist() == [0, 0, 0, 0]
+    assert "router.expert_bias" in moe.state_dict() and "expert_load" not in moe.state_dict()
+    with pytest.raises(RuntimeError, match="expert_bias_update_rate"):
+        make().update_expert_bias()
+
+
+def test_jitter_noise_on_router_only_and_on_experts():
+    x = torch.randn(12, 8, dtype=torch.float64)
+    for scope in ("router", "router_and_experts"):
+        moe = make(experts=4, k=2, jitter_noise=0.3, jitter_scope=scope)
+        moe.eval()
+        assert_matches_reference(moe, x)  # no noise in eval
+        moe.train()
+        torch.manual_seed(7)
+        y = moe(x)
+        torch.manual_seed(7)
+        noise = torch.empty_like(x).uniform_(0.7, 1.3)
+        assert (noise - 1).abs().max() <= 0.3 and (noise - 1).abs().max() > 0.2
+        jittered = x * noise  # the router sees jittered inputs
+        ref = []
+        for t in range(12):
+            e_ids, w = route_token(moe.router.weight @ jittered[t], 2)
+            xe = jittered[t] if scope == "router_and_experts" else x[t]
+            ref.append(sum(wi * gated_expert(xe, moe.experts.gate_up_proj[e], moe.experts.down_proj[e]) for e, wi in zip(e_ids, w)))
+        torch.testing.assert_close(y, torch.stack(ref), atol=ATOL, rtol=0)
+
+
+# --- capacity -------------------------------------------------------------------------
+
+def _keep_fn(moe, x, capacity, policy):
+    """Which (token, slot) assignments survive, decided by a direct simulation."""
+    T = x.shape[0]
+    routes = [route_token(moe.router.weight @ x[t], moe.config.top_k) for t in range(T)]
+    by_expert = {}
+    for t, (ids, w) in enumerate(routes):
+        for slot, e in enumerate(ids):
+            by_expert.setdefault(e, []).append((t, slot, float(w[slot])))
+    kept = set()
+    for e, items in by_expert.items():
+        if policy == "probs":
+            items = sorted(items, key=lambda it: -it[2])
+        kept |= {(t, s) for t, s, _ in items[:capacity]}
+    return (lambda t, slot: (t, slot) in kept), sum(len(v) for v in by_expert.values()) - len(kept)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_match_simulation(policy, factor):
+    moe = make(experts=4, k=2, capacity_factor=factor, drop_policy=policy)
+    x = torch.randn(13, 8, dtype=torch.float64)
+    capacity = math.ceil(factor * 13 * 2 / 4)
+    keep, n_dropped = _keep_fn(moe, x, capacity, policy)
+    assert_matches_reference(moe, x, keep=keep)
+    assert moe.stats.num_dropped.item() == n_dropped
+    if factor == 0.5:
+        assert n_dropped > 0
+
+
+def test_capacity_large_enough_is_dropless():
+    x = torch.randn(10, 8, dtype=torch.float64)
+    moe = make(capacity_factor=4.0)
+    assert_matches_reference(moe, x)
+    assert moe.stats.num_dropped.item() == 0
+
+
+# --- equivalences and invariants ---------------------------------------------------------
+
+def test_one_expert_top1_is_the_dense_block():
+    moe = make(dim=10, hidden=14, experts=1, k=1)
+    dense = SwiGLU(10, hidden_dim=14).double()
+    dense.load_state_dict({"gate_up_proj": moe.experts.gate_up_proj, "down_proj": moe.experts.down_proj})
+    x1 = torch.randn(3, 4, 10, dtype=torch.float64, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    y1, y2 = moe(x1), dense(x2)
+    torch.testing.assert_close(y1, y2, atol=1e-12, rtol=0)
+    w = torch.randn_like(y1)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(moe.experts.gate_up_proj.grad, dense.gate_up_proj.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(moe.experts.down_proj.grad, dense.down_proj.grad, atol=1e-12, rtol=0)
+
+
+def test_bitwise_deterministic_on_cpu():
+    moe = MoE(dim=32, hidden_dim=48, num_experts=8, top_k=2)
+    x = torch.randn(50, 32)
+    assert torch.equal(moe(x), moe(x))
+
+
+def test_token_outputs_do_not_depend_on_the_batch():
+    moe = MoE(dim=32, hidden_dim=48, num_experts=8, top_k=2)
+    x = torch.randn(40, 32)
+    full = moe(x)
+    scale = full.abs().max().item()
+    for t in (0, 17, 39):
+        alone = moe(x[t : t + 1])
+        assert (alone - full[t : t + 1]).abs().max() <= 1e-6 * scale
+    torch.testing.assert_close(moe(x[:9]), full[:9], atol=1e-6 * scale, rtol=0)
+
+
+def test_nan_in_one_token_stays_in_that_token():
+    moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2)
+    x = torch.randn(10, 16)
+    clean = moe(x)
+    x[3, 5] = float("nan")
+    y = moe(x)
+    others = [t for t in range(10) if t != 3]
+    assert torch.isfinite(y[others]).all()
+    # Equal up to BLAS blocking: the NaN token may move to other experts, which changes the
+    # row-block sizes the GEMMs see (the same tolerance as batch independence above).
+    scale = clean.abs().max().item()
+    torch.testing.assert_close(y[others], clean[others], atol=1e-6 * scale, rtol=0)
+    assert torch.isnan(y[3]).any()
+
+
+def test_bf16_input_picks_the_float64_router_choice():
+    torch.manual_seed(3)
+    moe = MoE(dim=64, hidden_dim=32, num_experts=8, top_k=2)
+    x = torch.randn(256, 64).bfloat16()
+    moe.to(torch.bfloat16)  # the whole layer, router weight included, in bf16
+    logits64 = x.double() @ moe.router.weight.double().T
+    ids64 = torch.topk(logits64, 2).indices.sort(-1).values
+    y = moe(x)
+    assert y.dtype == torch.bfloat16
+    assert moe.stats.router_logits_TE.dtype == torch.float32
+    ids = moe.stats.expert_ids_TK.sort(-1).values
+    top3 = logits64.topk(3).values
+    clear = (top3[:, 1] - top3[:, 2]).abs() > 1e-4  # ties aside
+    assert clear.sum() > 200
+    assert torch.equal(ids[clear], ids64[clear])
+
+
+def test_autocast_cpu():
+    moe = MoE(dim=32, hidden_dim=48, num_experts=4, top_k=2)
+    x = torch.randn(6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert y.dtype == torch.float32  # output in the input dtype
+    torch.testing.assert_close(y, moe(x), atol=5e-2, rtol=5e-2)
+
+
+def test_compile_fullgraph_dynamic_over_token_counts():
+    moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2, num_shared_experts=1)
+    compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend="eager")
+    for T in (3, 8, 21):
+        x = torch.randn(T, 16)
+        torch.testing.assert_close(compiled(x), moe(x))
+
+
+def test_one_dropout_on_the_layer_output():
+    moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2, dropout=0.5)
+    assert sum(isinstance(m, nn.Dropout) for m in moe.modules()) == 1
+    x = torch.randn(40, 16)
+    moe.eval()
+    clean = moe(x)
+    moe.train()
+    y = moe(x)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], 2 * clean[kept])
+
+
+# --- construction and bad input ---------------------------------------------------------
+
+def test_api_names_and_shapes():
+    moe = MoE(dim=64, hidden_dim=96, num_experts=8, top_k=2, dropout=0.0, device="meta")
+    assert moe.router.weight.shape == (8, 64)
+    assert moe.experts.gate_up_proj.shape == (8, 192, 64)
+    assert moe.experts.down_proj.shape == (8, 64, 96)
+    cfg = MoEConfig(dim=64, hidden_dim=96)
+    assert MoE(cfg).config == cfg and cfg.num_experts == 8 and cfg.top_k == 2  # Mixtral defaults
+    big = MoE(dim=4096, hidden_dim=14336, device="meta")
+    assert sum(p.numel() for p in big.parameters()) == 8 * 176_160_768 + 8 * 4096
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"top_k": 0}, "top_k"), ({"top_k": 5}, "top_k"), ({"num_experts": 0}, "num_experts"),
+     ({"capacity_factor": 0.0}, "capacity_factor"), ({"capacity_factor": -1.0}, "capacity_factor"),
+     ({"routing": "softmax"}, "routing"), ({"dim": 0}, "dim")],
+)
+def test_bad_construction(kwargs, match):
+    base = {"dim": 8, "hidden_dim": 12, "num_experts": 4, "top_k": 2}
+    with pytest.raises(ValueError, match=match):
+        MoE(**{**base, **kwargs})
+
+
+def test_bad_forward_input():
+    moe = make()
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\].*\(3, 9\)"):
+        moe(torch.randn(3, 9, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(2, 4\)"):
+        moe(torch.randn(2, 3, 8, dtype=torch.float64), attention_mask=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="floating"):
+        moe(torch.ones(3, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="MoEConfig"):
+        MoE(64)
