@@ -53,3 +53,25 @@ def test_capacity_moves_dropped_rows_to_the_end():
 def test_capacity_formula():
     assert dispatch.expert_capacity(1.0, 10, 2, 8) == 3  # ceil(2.5)
     assert dispatch.expert_capacity(1.25, 64, 2, 8) == 20
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 30), E=st.integers(1, 9), data=st.data())
+def test_plan_is_a_permutation_with_exact_counts(T, E, data):
+    K = data.draw(st.integers(1, E))
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+    w = torch.rand(T, K)
+    capacity = data.draw(st.one_of(st.none(), st.integers(1, max(1, T))))
+    p = dispatch.plan(ids, w, E, capacity)
+    assert sorted(p.order_N.tolist()) == list(range(T * K))
+    routed = torch.bincount(ids.flatten(), minlength=E)
+    expected = routed if capacity is None else routed.clamp(max=capacity)
+    assert p.tokens_per_expert_E.tolist() == expected.tolist()
+    assert p.num_dropped.item() == (routed - expected).sum().item()
+    kept = int(expected.sum())
+    experts_in_order = ids.flatten()[p.order_N[:kept]]
+    assert experts_in_order.tolist() == sorted(experts_in_order.tolist())
