@@ -17,7 +17,17 @@ from moe_ffn.sizes import llama_intermediate_size
 __all__ = ["FeedForward", "GatedFFN", "SwiGLU", "GeGLU", "ReGLU", "GLU", "Bilinear"]
 
 
-class FeedForward(MLPExperts):
+class _DenseForward:
+    """The forward every dense block shares: all tokens to the one expert, then dropout."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., D] → [..., D]."""
+        check_features(x, self.dim, type(self).__name__)
+        y_TD = super().forward(x.reshape(-1, self.dim))
+        return self.dropout(y_TD.reshape(x.shape))
+
+
+class FeedForward(_DenseForward, MLPExperts):
     """Classic FFN: act(x·W1ᵀ + b1)·W2ᵀ + b2, then dropout.
 
     Args:
@@ -45,14 +55,8 @@ class FeedForward(MLPExperts):
         super().__init__(1, dim, hidden_dim, activation, bias, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [..., D] → [..., D]."""
-        check_features(x, self.dim, type(self).__name__)
-        y_TD = super().forward(x.reshape(-1, self.dim))
-        return self.dropout(y_TD.reshape(x.shape))
 
-
-class GatedFFN(GatedExperts):
+class GatedFFN(_DenseForward, GatedExperts):
     """Gated FFN: (act(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ, then dropout.
 
     The activation is on the gate branch only. `SwiGLU`, `GeGLU`, `ReGLU`, `GLU` and
@@ -81,12 +85,6 @@ class GatedFFN(GatedExperts):
             hidden_dim = llama_intermediate_size(dim)
         super().__init__(1, dim, hidden_dim, activation, bias, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [..., D] → [..., D]."""
-        check_features(x, self.dim, type(self).__name__)
-        y_TD = super().forward(x.reshape(-1, self.dim))
-        return self.dropout(y_TD.reshape(x.shape))
 
 
 class SwiGLU(GatedFFN):
