@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from moe_ffn._checks import positive_int
 from moe_ffn.activations import canonical_activation, get_activation
-from moe_ffn.grouped import grouped_linear
+from moe_ffn.grouped import grouped_ffn, grouped_linear
 
 __all__ = ["GatedExperts", "MLPExperts"]
 
@@ -98,10 +98,15 @@ class GatedExperts(_ExpertBank):
             tokens_per_expert_E: [E] rows per expert; None when E = 1 (all rows).
         Returns: [N, D]; rows past the counted ones are zero.
         """
-        h_N2F = grouped_linear(x_ND, self.gate_up_proj, tokens_per_expert_E, self.gate_up_bias)
-        gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
-        h_NF = self._act(gate_NF) * up_NF
-        return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
+        if x_ND.is_cuda:  # torch's grouped GEMM per projection, no host sync
+            h_N2F = grouped_linear(x_ND, self.gate_up_proj, tokens_per_expert_E, self.gate_up_bias)
+            gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
+            h_NF = self._act(gate_NF) * up_NF
+            return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
+        return grouped_ffn(
+            x_ND, self.gate_up_proj, self.down_proj, tokens_per_expert_E, self.gate_up_bias,
+            self.down_bias, activation=self.activation, gated=True,
+        )
 
 
 class MLPExperts(_ExpertBank):
@@ -133,5 +138,10 @@ class MLPExperts(_ExpertBank):
 
     def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:
         """Same contract as `GatedExperts.forward`."""
-        h_NF = self._act(grouped_linear(x_ND, self.up_proj, tokens_per_expert_E, self.up_bias))
-        return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
+        if x_ND.is_cuda:
+            h_NF = self._act(grouped_linear(x_ND, self.up_proj, tokens_per_expert_E, self.up_bias))
+            return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
+        return grouped_ffn(
+            x_ND, self.up_proj, self.down_proj, tokens_per_expert_E, self.up_bias,
+            self.down_bias, activation=self.activation, gated=False,
+        )

@@ -1,38 +1,85 @@
-"""Grouped linear: one matmul per expert over contiguous row blocks, as one op.
+"""Grouped matmuls over contiguous row blocks, one block per expert, as compile-friendly ops.
 
-Legend: N rows (token→expert assignments, sorted by expert), I in-features,
-O out-features, E experts (groups).
+Legend: N rows (token→expert assignments, sorted by expert), I in-features, O out-features,
+H hidden width of an expert's first projection (2F for gated experts, F for classic ones),
+F hidden dim, E experts (groups).
 
 Row block e holds `counts_E[e]` rows; rows after `counts_E.sum()` belong to no expert
 (assignments dropped by a capacity limit) and come out as zeros, so callers keep static
-shapes. The op is registered with `torch.library` so `torch.compile(fullgraph=True)` traces
-through it: the host-side loop over experts lives inside the op, not in the graph.
+shapes. The ops are registered with `torch.library` so `torch.compile(fullgraph=True)` traces
+through them: the host-side loop over experts lives inside an op, not in the graph.
 
-Backward is written out: dgrad reuses the forward op on the transposed weights, wgrad is a
-second op. An expert that receives no rows gets an exact zero gradient and its weights are
-never read.
+Two ops:
+- `grouped_linear`: one projection, y = x·W[e]ᵀ + b[e] per block, with a written-out backward.
+- `grouped_ffn`: a whole expert FFN (first projection → activation (⊙ up) → down projection)
+  in one op whose backward is written out too. It saves only the input rows and the first
+  projection's output and recomputes the cheap activation in backward, so no [N, F]
+  activation tensor outlives the forward; each block's temporaries are freed before the next.
+
+Both read only the weights of experts that received rows (decode touches k experts, not E),
+give experts without rows an exact zero gradient, and synchronise with the host once per call
+on CPU (one device→host copy of the counts) and never on CUDA's grouped-GEMM path.
+
+NOTE (numerics on CPU): low-precision (bf16/fp16) GEMMs on CPUs without native bf16/fp16
+matrix units (no AVX512-BF16/AMX, e.g. AVX2) run 5–500× slower than fp32 GEMMs in oneDNN, and
+the g·W layout autograd uses for input gradients is the slowest. There the ops upcast each
+row block and weight block to float32, multiply in float32 (what a bf16 GEMM accumulates in
+anyway) and round every result to the storage dtype once, as a bf16 GEMM rounds its output.
+Elementwise intermediates (the activation product, its gradient) are rounded to the storage
+dtype too, so the result is the native low-precision computation with fp32 accumulation.
+Very small blocks in forward (decode) keep the native GEMM: there the cost is reading the
+weights, and upcasting them would triple the bytes moved. float32 and float64 run unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["grouped_linear"]
+from moe_ffn.activations import get_activation
+
+__all__ = ["grouped_linear", "grouped_ffn"]
+
+# Forward blocks with at most this many rows use the native low-precision GEMM on CPU (see
+# the NOTE above): a GEMV is bandwidth-bound, and upcasting the weight block costs more than
+# the product. Measured on AVX2: native bf16 ≈ fp32 time for ≤ 8 rows, upcast wins from ~32.
+_NATIVE_LOWP_MAX_ROWS = 8
 
 
-def _row_blocks(counts_E: Tensor) -> list[tuple[int, int, int]]:
-    # NOTE: one device→host copy per call (free on CPU); the per-expert loop below needs the
-    # block boundaries as Python ints. Experts without rows are skipped.
+def _row_blocks(counts_E: Optional[Tensor], num_rows: int) -> list[tuple[int, int, int]]:
+    # NOTE: one device→host copy per call (free on CPU); the per-expert loop needs the block
+    # boundaries as Python ints. Experts without rows are skipped, so their weights are never
+    # read. counts None: every row belongs to the single expert (the dense blocks).
+    if counts_E is None:
+        return [(0, 0, num_rows)] if num_rows else []
     blocks, start = [], 0
     for e, count in enumerate(counts_E.tolist()):
         if count:
             blocks.append((e, start, start + count))
         start += count
     return blocks
+
+
+def _rows_used(blocks: list[tuple[int, int, int]]) -> int:
+    return blocks[-1][2] if blocks else 0
+
+
+def _lowp_is_slow(t: Tensor) -> bool:
+    """True where a bf16/fp16 GEMM of `t` is much slower than an fp32 one (see NOTE above)."""
+    if t.device.type != "cpu":
+        return False
+    if t.dtype == torch.bfloat16:
+        return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    if t.dtype == torch.float16:
+        return not torch.cpu._is_amx_fp16_supported()
+    return False
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float32 if _lowp_is_slow(t) else t.dtype
 
 
 def _use_torch_grouped_mm(x: Tensor, w: Tensor) -> bool:
@@ -47,6 +94,21 @@ def _use_torch_grouped_mm(x: Tensor, w: Tensor) -> bool:
     )
 
 
+def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: torch.dtype) -> None:
+    """out = x·wᵀ + b, multiplied in `cdt`, rounded into out's dtype once."""
+    if cdt != out.dtype and x.shape[0] <= _NATIVE_LOWP_MAX_ROWS:
+        cdt = out.dtype  # decode-sized block: native GEMV (see _NATIVE_LOWP_MAX_ROWS)
+    x, w, b = x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
+    if cdt != out.dtype:
+        out.copy_(F.linear(x, w, b))
+    elif b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
+
+
+# --- grouped_linear ----------------------------------------------------------------------
+
 @torch.library.custom_op("moe_ffn::grouped_linear", mutates_args=())
 def _grouped_linear_op(
     x_NI: Tensor, w_EOI: Tensor, counts_E: Tensor, bias_EO: Optional[Tensor]
@@ -60,12 +122,13 @@ def _grouped_linear_op(
             y_NO = y_NO + bias_EO[expert_N.clamp(max=w_EOI.shape[0] - 1)]
         unassigned_N1 = (torch.arange(N, device=x_NI.device) >= offsets_E[-1]).unsqueeze(1)
         return y_NO.masked_fill(unassigned_N1, 0)
-    y_NO = x_NI.new_zeros(N, O)
-    for e, start, stop in _row_blocks(counts_E):
-        if bias_EO is None:
-            torch.mm(x_NI[start:stop], w_EOI[e].t(), out=y_NO[start:stop])
-        else:
-            torch.addmm(bias_EO[e], x_NI[start:stop], w_EOI[e].t(), out=y_NO[start:stop])
+    cdt = _compute_dtype(x_NI)
+    blocks = _row_blocks(counts_E, N)
+    y_NO = x_NI.new_empty(N, O)
+    y_NO[_rows_used(blocks):].zero_()
+    for e, start, stop in blocks:
+        b = None if bias_EO is None else bias_EO[e]
+        _linear_into(y_NO[start:stop], x_NI[start:stop], w_EOI[e], b, cdt)
     return y_NO
 
 
@@ -79,12 +142,14 @@ def _grouped_linear_wgrad_op(
     x_NI: Tensor, grad_NO: Tensor, counts_E: Tensor, num_experts: int, with_bias: bool
 ) -> tuple[Tensor, Tensor]:
     E, I, O = num_experts, x_NI.shape[1], grad_NO.shape[1]
+    cdt = _compute_dtype(x_NI)
     grad_w_EOI = x_NI.new_zeros(E, O, I)
     grad_b_EO = x_NI.new_zeros(E, O if with_bias else 0)
-    for e, start, stop in _row_blocks(counts_E):
-        torch.mm(grad_NO[start:stop].t(), x_NI[start:stop], out=grad_w_EOI[e])
+    for e, start, stop in _row_blocks(counts_E, x_NI.shape[0]):
+        g, x = grad_NO[start:stop].to(cdt), x_NI[start:stop].to(cdt)
+        grad_w_EOI[e] = g.t() @ x
         if with_bias:
-            torch.sum(grad_NO[start:stop], dim=0, out=grad_b_EO[e])
+            grad_b_EO[e] = g.sum(0)
     return grad_w_EOI, grad_b_EO
 
 
@@ -118,6 +183,23 @@ def _backward(ctx, grad_NO):
 _grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _autocast_inputs(x: Tensor, *tensors: Optional[Tensor]) -> tuple:
+    # A custom op is opaque to autocast: cast as autocast would cast F.linear.
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return (x, *tensors)
+    dtype = torch.get_autocast_dtype(device_type)
+    return (x.to(dtype), *(None if t is None else t.to(dtype) for t in tensors))
+
+
+def _check_dtypes(x: Tensor, w: Tensor) -> None:
+    if x.dtype != w.dtype:
+        raise TypeError(
+            f"input dtype {x.dtype} does not match expert weight dtype {w.dtype}; "
+            "cast the module (module.to(dtype)) or use torch.autocast"
+        )
+
+
 def grouped_linear(
     x_NI: Tensor, w_EOI: Tensor, counts_E: Tensor | None = None, bias_EO: Tensor | None = None
 ) -> Tensor:
@@ -136,15 +218,241 @@ def grouped_linear(
         if w_EOI.shape[0] != 1:
             raise ValueError(f"counts_E is required for {w_EOI.shape[0]} experts")
         return F.linear(x_NI, w_EOI[0], None if bias_EO is None else bias_EO[0])
-    device_type = x_NI.device.type
-    if torch.is_autocast_enabled(device_type):
-        # A custom op is opaque to autocast: cast as autocast would cast F.linear.
-        dtype = torch.get_autocast_dtype(device_type)
-        x_NI, w_EOI = x_NI.to(dtype), w_EOI.to(dtype)
-        bias_EO = None if bias_EO is None else bias_EO.to(dtype)
-    if x_NI.dtype != w_EOI.dtype:
-        raise TypeError(
-            f"input dtype {x_NI.dtype} does not match expert weight dtype {w_EOI.dtype}; "
-            "cast the module (module.to(dtype)) or use torch.autocast"
-        )
+    x_NI, w_EOI, bias_EO = _autocast_inputs(x_NI, w_EOI, bias_EO)
+    _check_dtypes(x_NI, w_EOI)
     return _grouped_linear_op(x_NI, w_EOI, counts_E, bias_EO)
+
+
+# --- grouped_ffn -------------------------------------------------------------------------
+
+def _silu_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return torch.ops.aten.silu_backward(grad, z)
+
+
+def _gelu_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return torch.ops.aten.gelu_backward(grad, z)
+
+
+def _gelu_tanh_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return torch.ops.aten.gelu_backward(grad, z, approximate="tanh")
+
+
+def _relu_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return torch.ops.aten.threshold_backward(grad, z, 0)
+
+
+def _sigmoid_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(z))
+
+
+def _identity_grad(grad: Tensor, z: Tensor) -> Tensor:
+    return grad
+
+
+# act'(z)·grad for each activation of activations.py, written with aten's own backward kernels
+# (the derivatives autograd would use). An activation missing here falls back to autograd.
+_ACTIVATION_GRADS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "silu": _silu_grad,
+    "gelu": _gelu_grad,
+    "gelu_tanh": _gelu_tanh_grad,
+    "relu": _relu_grad,
+    "sigmoid": _sigmoid_grad,
+    "identity": _identity_grad,
+}
+
+
+def _activation_grad(name: str, grad: Tensor, z: Tensor) -> Tensor:
+    if name in _ACTIVATION_GRADS:
+        return _ACTIVATION_GRADS[name](grad, z)
+    with torch.enable_grad():
+        z = z.detach().requires_grad_()
+        (dz,) = torch.autograd.grad(get_activation(name)(z), z, grad)
+    return dz
+
+
+def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t rounded to `dtype` and back: the rounding a native `dtype` kernel would apply."""
+    return t if t.dtype == dtype else t.to(dtype).to(t.dtype)
+
+
+def _hidden(h_nH: Tensor, activation: str, gated: bool, dtype: torch.dtype) -> Tensor:
+    """The down projection's input from the first projection's output (rounded to dtype)."""
+    act = get_activation(activation)
+    if not gated:
+        return _round(act(h_nH), dtype)
+    gate_nF, up_nF = h_nH.chunk(2, dim=-1)
+    return _round(act(gate_nF) * up_nF, dtype)
+
+
+@torch.library.custom_op("moe_ffn::grouped_ffn", mutates_args=())
+def _grouped_ffn_op(
+    x_ND: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Optional[Tensor],
+    b1_EH: Optional[Tensor],
+    b2_ED: Optional[Tensor],
+    activation: str,
+    gated: bool,
+) -> tuple[Tensor, Tensor]:
+    N, D, H = x_ND.shape[0], w2_EDF.shape[1], w1_EHD.shape[1]
+    cdt = _compute_dtype(x_ND)
+    blocks = _row_blocks(counts_E, N)
+    used = _rows_used(blocks)
+    y_ND = x_ND.new_empty(N, D)
+    h_NH = x_ND.new_empty(N, H)  # the first projection's output, kept for backward
+    y_ND[used:].zero_()
+    h_NH[used:].zero_()
+    for e, start, stop in blocks:
+        h_nH = h_NH[start:stop]
+        _linear_into(h_nH, x_ND[start:stop], w1_EHD[e], None if b1_EH is None else b1_EH[e], cdt)
+        a_nF = _hidden(h_nH.to(cdt), activation, gated, x_ND.dtype)
+        _linear_into(y_ND[start:stop], a_nF, w2_EDF[e], None if b2_ED is None else b2_ED[e], cdt)
+    return y_ND, h_NH
+
+
+@_grouped_ffn_op.register_fake
+def _(x_ND, w1_EHD, w2_EDF, counts_E, b1_EH, b2_ED, activation, gated):
+    N = x_ND.shape[0]
+    return x_ND.new_empty(N, w2_EDF.shape[1]), x_ND.new_empty(N, w1_EHD.shape[1])
+
+
+@torch.library.custom_op("moe_ffn::grouped_ffn_backward", mutates_args=())
+def _grouped_ffn_backward_op(
+    grad_ND: Tensor,
+    x_ND: Tensor,
+    h_NH: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Optional[Tensor],
+    activation: str,
+    gated: bool,
+    need_x: bool,
+    need_w: bool,
+    with_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (x, w1, w2, b1, b2) of `grouped_ffn`; the ones not needed come back empty."""
+    N, D = x_ND.shape
+    E, H, F_ = w1_EHD.shape[0], w1_EHD.shape[1], w2_EDF.shape[2]
+    dtype, cdt = x_ND.dtype, _compute_dtype(x_ND)
+    blocks = _row_blocks(counts_E, N)
+    grad_x_ND = x_ND.new_empty(N if need_x else 0, D)
+    grad_x_ND[_rows_used(blocks):].zero_()
+    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
+    grad_w1 = x_ND.new_zeros(shape_w(E, H, D))
+    grad_w2 = x_ND.new_zeros(shape_w(E, D, F_))
+    grad_b1 = x_ND.new_zeros(shape_w(E, H) if with_bias else (0, 0))
+    grad_b2 = x_ND.new_zeros(shape_w(E, D) if with_bias else (0, 0))
+    for e, start, stop in blocks:
+        g_nD = grad_ND[start:stop].to(cdt)
+        h_nH = h_NH[start:stop].to(cdt)
+        w2_DF = w2_EDF[e].to(cdt)
+        if need_w:
+            a_nF = _hidden(h_nH, activation, gated, dtype)
+            grad_w2[e] = g_nD.t() @ a_nF
+            del a_nF
+            if with_bias:
+                grad_b2[e] = g_nD.sum(0)
+        da_nF = _round(g_nD @ w2_DF, dtype)
+        del w2_DF
+        if gated:
+            gate_nF, up_nF = h_nH.chunk(2, dim=-1)
+            act = get_activation(activation)
+            dh_nH = torch.cat(
+                [_activation_grad(activation, da_nF * up_nF, gate_nF), da_nF * act(gate_nF)], dim=1
+            )
+        else:
+            dh_nH = _activation_grad(activation, da_nF, h_nH)
+        dh_nH = _round(dh_nH, dtype)
+        del da_nF, h_nH
+        w1_HD = w1_EHD[e].to(cdt)
+        if need_w:
+            grad_w1[e] = dh_nH.t() @ x_ND[start:stop].to(cdt)
+            if with_bias:
+                grad_b1[e] = dh_nH.sum(0)
+        if need_x:
+            if cdt == dtype:
+                torch.mm(dh_nH, w1_HD, out=grad_x_ND[start:stop])
+            else:
+                grad_x_ND[start:stop] = dh_nH @ w1_HD
+    return grad_x_ND, grad_w1, grad_w2, grad_b1, grad_b2
+
+
+@_grouped_ffn_backward_op.register_fake
+def _(grad_ND, x_ND, h_NH, w1_EHD, w2_EDF, counts_E, activation, gated, need_x, need_w, with_bias):
+    N, D = x_ND.shape
+    E, H, F_ = w1_EHD.shape[0], w1_EHD.shape[1], w2_EDF.shape[2]
+    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
+    return (
+        x_ND.new_empty(N if need_x else 0, D),
+        x_ND.new_empty(shape_w(E, H, D)),
+        x_ND.new_empty(shape_w(E, D, F_)),
+        x_ND.new_empty(shape_w(E, H) if with_bias else (0, 0)),
+        x_ND.new_empty(shape_w(E, D) if with_bias else (0, 0)),
+    )
+
+
+def _ffn_setup_context(ctx, inputs, output):
+    x_ND, w1_EHD, w2_EDF, counts_E, b1_EH, b2_ED, activation, gated = inputs
+    _, h_NH = output
+    ctx.save_for_backward(x_ND, h_NH, w1_EHD, w2_EDF, counts_E)
+    ctx.activation, ctx.gated = activation, gated
+    ctx.with_bias = b1_EH is not None
+    ctx.mark_non_differentiable(h_NH)
+
+
+def _ffn_backward(ctx, grad_ND, _grad_h):
+    x_ND, h_NH, w1_EHD, w2_EDF, counts_E = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_x = need[0]
+    need_w = need[1] or need[2] or (ctx.with_bias and (need[4] or need[5]))
+    if not (need_x or need_w):
+        return None, None, None, None, None, None, None, None
+    gx, gw1, gw2, gb1, gb2 = _grouped_ffn_backward_op(
+        grad_ND.contiguous(), x_ND, h_NH, w1_EHD, w2_EDF, counts_E,
+        ctx.activation, ctx.gated, need_x, need_w, ctx.with_bias,
+    )
+    if not need_x:
+        gx = None
+    if not need_w:
+        gw1 = gw2 = None
+    if not (ctx.with_bias and need_w):
+        gb1 = gb2 = None
+    return gx, gw1, gw2, None, gb1, gb2, None, None
+
+
+_grouped_ffn_op.register_autograd(_ffn_backward, setup_context=_ffn_setup_context)
+
+
+def grouped_ffn(
+    x_ND: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Tensor | None = None,
+    b1_EH: Tensor | None = None,
+    b2_ED: Tensor | None = None,
+    *,
+    activation: str,
+    gated: bool,
+) -> Tensor:
+    """Each block of rows through its expert's FFN: act(x·W1[e]ᵀ + b1) (⊙ up) ·W2[e]ᵀ + b2.
+
+    Args:
+        x_ND: [N, D] rows sorted by expert.
+        w1_EHD: [E, H, D] first projection; gated: H = 2F, rows [:F] the gate, [F:] the up.
+        w2_EDF: [E, D, F] down projection.
+        counts_E: [E] int rows per expert; None: all N rows go to the single expert (E = 1).
+        b1_EH, b2_ED: optional biases (both or neither).
+        activation: canonical activation name (activations.py), on the gate when gated.
+        gated: act(gate) ⊙ up, or act(h) alone.
+    Returns:
+        [N, D]; rows past `counts_E.sum()` are zero.
+    """
+    if counts_E is None and w1_EHD.shape[0] != 1:
+        raise ValueError(f"counts_E is required for {w1_EHD.shape[0]} experts")
+    if (b1_EH is None) != (b2_ED is None):
+        raise ValueError("grouped_ffn takes both biases or neither")
+    x_ND, w1_EHD, w2_EDF, b1_EH, b2_ED = _autocast_inputs(x_ND, w1_EHD, w2_EDF, b1_EH, b2_ED)
+    _check_dtypes(x_ND, w1_EHD)
+    y_ND, _ = _grouped_ffn_op(x_ND, w1_EHD, w2_EDF, counts_E, b1_EH, b2_ED, activation, gated)
+    return y_ND
