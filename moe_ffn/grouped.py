@@ -107,6 +107,20 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         torch.addmm(b, x, w.t(), out=out)
 
 
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a·b with a, b in the compute dtype; rounded into out's dtype once.
+
+    A low-precision `out` takes the fp32 product in slices of rows, so the fp32 temporary
+    stays small next to `out` (this is how weight gradients of bf16 experts are written).
+    """
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+        return
+    rows = max(1, (1 << 22) // max(1, out.shape[1]))  # ≤ 16 MiB of fp32 per slice
+    for start in range(0, out.shape[0], rows):
+        out[start : start + rows] = a[start : start + rows] @ b
+
+
 # --- grouped_linear ----------------------------------------------------------------------
 
 @torch.library.custom_op("moe_ffn::grouped_linear", mutates_args=())
@@ -275,6 +289,27 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype).to(t.dtype)
 
 
+# Elementwise work (the activation and its gradient) runs over groups of consecutive experts'
+# rows rather than per expert: one call per group instead of one per expert (E = 64 experts of
+# a few rows each made the per-call cost dominate), while the group's temporaries stay bounded
+# (about this many elements per [rows, H] temporary) instead of spanning all N rows.
+_GROUP_ELEMENTS = 1 << 22
+
+
+def _groups(blocks: list[tuple[int, int, int]], width: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows."""
+    groups, current, rows = [], [], 0
+    for block in blocks:
+        if current and (rows + block[2] - block[1]) * width > _GROUP_ELEMENTS:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(block)
+        rows += block[2] - block[1]
+    if current:
+        groups.append(current)
+    return groups
+
+
 def _hidden(h_nH: Tensor, activation: str, gated: bool, dtype: torch.dtype) -> Tensor:
     """The down projection's input from the first projection's output (rounded to dtype)."""
     act = get_activation(activation)
@@ -303,11 +338,16 @@ def _grouped_ffn_op(
     h_NH = x_ND.new_empty(N, H)  # the first projection's output, kept for backward
     y_ND[used:].zero_()
     h_NH[used:].zero_()
-    for e, start, stop in blocks:
-        h_nH = h_NH[start:stop]
-        _linear_into(h_nH, x_ND[start:stop], w1_EHD[e], None if b1_EH is None else b1_EH[e], cdt)
-        a_nF = _hidden(h_nH.to(cdt), activation, gated, x_ND.dtype)
-        _linear_into(y_ND[start:stop], a_nF, w2_EDF[e], None if b2_ED is None else b2_ED[e], cdt)
+    for group in _groups(blocks, H):
+        first, last = group[0][1], group[-1][2]
+        for e, start, stop in group:
+            b = None if b1_EH is None else b1_EH[e]
+            _linear_into(h_NH[start:stop], x_ND[start:stop], w1_EHD[e], b, cdt)
+        a_gF = _hidden(h_NH[first:last].to(cdt), activation, gated, x_ND.dtype)
+        for e, start, stop in group:
+            b = None if b2_ED is None else b2_ED[e]
+            _linear_into(y_ND[start:stop], a_gF[start - first : stop - first], w2_EDF[e], b, cdt)
+        del a_gF
     return y_ND, h_NH
 
 
@@ -335,46 +375,57 @@ def _grouped_ffn_backward_op(
     N, D = x_ND.shape
     E, H, F_ = w1_EHD.shape[0], w1_EHD.shape[1], w2_EDF.shape[2]
     dtype, cdt = x_ND.dtype, _compute_dtype(x_ND)
+    act = get_activation(activation)
     blocks = _row_blocks(counts_E, N)
     grad_x_ND = x_ND.new_empty(N if need_x else 0, D)
     grad_x_ND[_rows_used(blocks):].zero_()
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    grad_w1 = x_ND.new_zeros(shape_w(E, H, D))
-    grad_w2 = x_ND.new_zeros(shape_w(E, D, F_))
-    grad_b1 = x_ND.new_zeros(shape_w(E, H) if with_bias else (0, 0))
-    grad_b2 = x_ND.new_zeros(shape_w(E, D) if with_bias else (0, 0))
-    for e, start, stop in blocks:
-        g_nD = grad_ND[start:stop].to(cdt)
-        h_nH = h_NH[start:stop].to(cdt)
-        w2_DF = w2_EDF[e].to(cdt)
-        if need_w:
-            a_nF = _hidden(h_nH, activation, gated, dtype)
-            grad_w2[e] = g_nD.t() @ a_nF
-            del a_nF
-            if with_bias:
-                grad_b2[e] = g_nD.sum(0)
-        da_nF = _round(g_nD @ w2_DF, dtype)
-        del w2_DF
+    grad_w1 = x_ND.new_empty(shape_w(E, H, D))
+    grad_w2 = x_ND.new_empty(shape_w(E, D, F_))
+    grad_b1 = x_ND.new_empty(shape_w(E, H) if with_bias else (0, 0))
+    grad_b2 = x_ND.new_empty(shape_w(E, D) if with_bias else (0, 0))
+    if need_w:  # experts without rows: exact zeros, written once; the others are overwritten
+        active = {e for e, _, _ in blocks}
+        for e in range(E):
+            if e not in active:
+                for g in (grad_w1, grad_w2, grad_b1, grad_b2):
+                    if g.numel():
+                        g[e].zero_()
+    for group in _groups(blocks, H):
+        first, last = group[0][1], group[-1][2]
+        g_gD = grad_ND[first:last].to(cdt)
+        h_gH = h_NH[first:last].to(cdt)
+        gate_gF, up_gF = h_gH.chunk(2, dim=-1) if gated else (h_gH, None)
+        act_gF = act(gate_gF)
+        if need_w:  # down projection's weight gradient, from the recomputed hidden rows
+            a_gF = _round(act_gF * up_gF if gated else act_gF, dtype)
+            for e, start, stop in group:
+                rows = slice(start - first, stop - first)
+                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows])
+                if with_bias:
+                    grad_b2[e] = g_gD[rows].sum(0)
+            del a_gF
+        da_gF = g_gD.new_empty(last - first, F_)
+        for e, start, stop in group:
+            torch.mm(g_gD[start - first : stop - first], w2_EDF[e].to(cdt), out=da_gF[start - first : stop - first])
+        da_gF = _round(da_gF, dtype)
+        del g_gD
         if gated:
-            gate_nF, up_nF = h_nH.chunk(2, dim=-1)
-            act = get_activation(activation)
-            dh_nH = torch.cat(
-                [_activation_grad(activation, da_nF * up_nF, gate_nF), da_nF * act(gate_nF)], dim=1
-            )
+            dh_gH = torch.empty_like(h_gH)
+            dh_gH[:, :F_] = _activation_grad(activation, da_gF * up_gF, gate_gF)
+            torch.mul(da_gF, act_gF, out=dh_gH[:, F_:])
         else:
-            dh_nH = _activation_grad(activation, da_nF, h_nH)
-        dh_nH = _round(dh_nH, dtype)
-        del da_nF, h_nH
-        w1_HD = w1_EHD[e].to(cdt)
-        if need_w:
-            grad_w1[e] = dh_nH.t() @ x_ND[start:stop].to(cdt)
-            if with_bias:
-                grad_b1[e] = dh_nH.sum(0)
-        if need_x:
-            if cdt == dtype:
-                torch.mm(dh_nH, w1_HD, out=grad_x_ND[start:stop])
-            else:
-                grad_x_ND[start:stop] = dh_nH @ w1_HD
+            dh_gH = _activation_grad(activation, da_gF, h_gH)
+        dh_gH = _round(dh_gH, dtype)
+        del da_gF, h_gH, gate_gF, up_gF, act_gF
+        for e, start, stop in group:
+            dh_nH = dh_gH[start - first : stop - first]
+            if need_w:
+                _matmul_into(grad_w1[e], dh_nH.t(), x_ND[start:stop].to(cdt))
+                if with_bias:
+                    grad_b1[e] = dh_nH.sum(0)
+            if need_x:
+                _matmul_into(grad_x_ND[start:stop], dh_nH, w1_EHD[e].to(cdt))
     return grad_x_ND, grad_w1, grad_w2, grad_b1, grad_b2
 
 

@@ -1,0 +1,533 @@
+"""Benchmark: moe_ffn.MoE against transformers' Mixtral block and a dense gated FFN.
+
+    .venv/bin/python profiling/bench.py            # the full grid (make bench)
+    .venv/bin/python profiling/bench.py --quick    # T ≤ 2048, fewer repeats
+
+Legend: T tokens, D model dim, F hidden dim per expert, E experts, K top-k, N = T·K.
+
+What it does, in one run:
+1. Measures the machine's ceilings: GEMM rate (square matmul, fp32 and bf16) and memory
+   bandwidth (a large copy).
+2. For each config (Mixtral-shaped and fine-grained), dtype, pass (forward, forward+backward)
+   and token count T, times every implementation on the same weights and inputs:
+   `moe_ffn` (moe_ffn.MoE), `hf_eager` and `hf_grouped_mm` (transformers'
+   MixtralSparseMoeBlock with `config._experts_implementation` set), `dense` (moe_ffn.SwiGLU
+   of width K·F on the same T tokens) and `dense_nn` (the same dense block written with three
+   nn.Linear). Implementations run round-robin, one call each per round, so load from other
+   processes hits all of them alike; the median over rounds is reported.
+3. Writes results/bench.{md,json,png} and the table into profiling/README.md.
+
+Definitions (also in README.md):
+- forward runs under torch.no_grad (inference); forward+backward calls y.backward(g) with
+  parameter gradients reset to None before each call (a training step that allocates them).
+- active FLOPs = 2·N·3·D·F for the forward (the experts' three projections over the N
+  assignments; for the dense block 2·T·3·D·KF, the same), ×3 with backward. The router is left
+  out (it is < 0.1%).
+- bytes = the weights of experts that received tokens (each read once forward; read again and
+  their gradient written in backward), plus the T·D input and output (their gradients too).
+- roofline time = max(active FLOPs / GEMM rate of the row's dtype, bytes / bandwidth);
+  fraction of roofline = roofline time / measured time. `frac_best` uses the best GEMM rate
+  measured in any dtype instead: on CPUs whose bf16 GEMM is slower than fp32, moe_ffn runs bf16
+  GEMMs in fp32 (grouped.py), so against the bf16 rate its fraction can exceed 1.
+- peak working memory of forward+backward: torch.profiler(profile_memory=True) records every
+  CPU allocation and free of one forward+backward; the number is the highest total of live
+  bytes allocated during that call, leaving out the parameter (and input) gradients the call
+  returns: the activations, saved tensors and temporaries. `peak_total` counts the gradients
+  too; those are E·3·D·F for the MoE against K·3·D·F for the dense block whatever the
+  implementation, which is why the comparison uses the working memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the checkout's moe_ffn, also without an install
+
+import moe_ffn  # noqa: E402
+
+try:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+except ImportError:  # the benchmark still runs; the transformers rows are skipped with a note
+    MixtralSparseMoeBlock = None
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    dim: int  # D
+    hidden_dim: int  # F per expert
+    num_experts: int  # E
+    top_k: int  # K
+
+
+SHAPES = {
+    "mixtral": Shape("mixtral", 1024, 3584, 8, 2),
+    "fine": Shape("fine", 1024, 512, 64, 8),  # OLMoE-like fine-grained experts
+}
+TOKENS = (1, 16, 256, 2048, 8192)
+IMPLS = ("moe_ffn", "hf_eager", "hf_grouped_mm", "dense", "dense_nn")
+
+
+# --- ceilings -----------------------------------------------------------------------------
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(quick: bool) -> dict:
+    """GEMM rate (square n×n matmul) per dtype and copy bandwidth, measured now."""
+    n = 2048
+    out = {}
+    for name, dtype in DTYPES.items():
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t = _median_time(lambda: a @ b, 3 if quick else 5)
+        out[f"gemm_{name}_gflops"] = 2 * n**3 / t / 1e9
+    src = torch.randn(64 * 2**20)  # 256 MiB, far beyond any cache
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), 5 if quick else 9)
+    out["bandwidth_gbs"] = 2 * src.numel() * src.element_size() / t / 1e9  # read + write
+    out["gemm_best_gflops"] = max(out[f"gemm_{k}_gflops"] for k in DTYPES)
+    return out
+
+
+# --- implementations ---------------------------------------------------------------------
+
+class NNLinearSwiGLU(nn.Module):
+    """The dense gated FFN written by hand with three nn.Linear (the usual way)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.up = nn.Linear(dim, hidden_dim, bias=False)
+        self.down = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def _hf_block(moe: moe_ffn.MoE, shape: Shape, implementation: str) -> nn.Module:
+    config = MixtralConfig(
+        hidden_size=shape.dim,
+        intermediate_size=shape.hidden_dim,
+        num_local_experts=shape.num_experts,
+        num_experts_per_tok=shape.top_k,
+        router_jitter_noise=0.0,
+    )
+    config._experts_implementation = implementation
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():  # the same weights: the layouts are the same
+        block.gate.weight.copy_(moe.router.weight)
+        block.experts.gate_up_proj.copy_(moe.experts.gate_up_proj)
+        block.experts.down_proj.copy_(moe.experts.down_proj)
+    return block
+
+
+def build(shape: Shape, dtype: torch.dtype) -> dict[str, tuple[nn.Module, callable]]:
+    """Every implementation as (module, fn: x_TD → y_TD), the MoE ones on shared weights."""
+    torch.manual_seed(0)
+    D, F_, E, K = shape.dim, shape.hidden_dim, shape.num_experts, shape.top_k
+    moe = moe_ffn.MoE(dim=D, hidden_dim=F_, num_experts=E, top_k=K)
+    impls = {"moe_ffn": (moe, moe)}
+    if MixtralSparseMoeBlock is not None:
+        for impl in ("eager", "grouped_mm"):
+            block = _hf_block(moe, shape, impl)
+            impls[f"hf_{impl}"] = (block, lambda x, b=block: b(x.unsqueeze(0)).squeeze(0))
+    dense = moe_ffn.SwiGLU(D, hidden_dim=K * F_)
+    dense_nn = NNLinearSwiGLU(D, K * F_)
+    with torch.no_grad():
+        dense_nn.gate.weight.copy_(dense.gate_up_proj[0, : K * F_])
+        dense_nn.up.weight.copy_(dense.gate_up_proj[0, K * F_ :])
+        dense_nn.down.weight.copy_(dense.down_proj[0])
+    impls["dense"] = (dense, dense)
+    impls["dense_nn"] = (dense_nn, dense_nn)
+    for module, _ in impls.values():
+        module.to(dtype)
+    return impls
+
+
+def check_same_function(impls, shape: Shape) -> None:
+    """The MoE implementations agree on a small fp32 batch (same weights, same routing)."""
+    x = torch.randn(64, shape.dim)
+    with torch.no_grad():
+        ref = impls["moe_ffn"][1](x.to(impls["moe_ffn"][0].router.weight.dtype)).float()
+        for name in ("hf_eager", "hf_grouped_mm", "dense_nn"):
+            if name not in impls:
+                continue
+            other = "dense" if name == "dense_nn" else "moe_ffn"
+            want = impls[other][1](x.to(ref.dtype)).float() if other == "dense" else ref
+            got = impls[name][1](x.to(ref.dtype)).float()
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            if err > 1e-4:
+                raise AssertionError(f"{name} disagrees with {other} on {shape.name}: rel. error {err:.2e}")
+
+
+# --- one measurement ---------------------------------------------------------------------
+
+def _step(module, fn, x, grad, backward: bool):
+    if not backward:
+        with torch.no_grad():
+            return fn(x)
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    y = fn(x)
+    y.backward(grad)
+    return None
+
+
+def peak_memory(module, fn, x, grad) -> tuple[int, int]:
+    """(working, total) peak bytes allocated during one forward+backward (see module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = fn(x)
+        y.backward(grad)
+        del y
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    mem = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+        key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)),
+    )
+    # The allocations still alive at the end at the gradients' addresses are the gradients.
+    grad_addrs = {p.grad.data_ptr() for p in module.parameters() if p.grad is not None}
+    if x.grad is not None:
+        grad_addrs.add(x.grad.data_ptr())
+    last_alloc = {}
+    for i, e in enumerate(mem):
+        if e["args"]["Bytes"] > 0:
+            last_alloc[e["args"]["Addr"]] = i
+    grad_events = {last_alloc[a] for a in grad_addrs if a in last_alloc}
+    live_total = live_work = peak_total = peak_work = 0
+    for i, e in enumerate(mem):
+        nbytes = e["args"]["Bytes"]
+        live_total += nbytes
+        if i not in grad_events:
+            live_work += nbytes
+        peak_total, peak_work = max(peak_total, live_total), max(peak_work, live_work)
+    return peak_work, peak_total
+
+
+def active_cost(shape: Shape, T: int, active_experts: int, itemsize: int, backward: bool, dense: bool):
+    """(FLOPs, bytes) of the experts' work (see the module doc)."""
+    D, F_, K = shape.dim, shape.hidden_dim, shape.top_k
+    flops = 2 * T * K * 3 * D * F_
+    weight_bytes = (K if dense else active_experts) * 3 * D * F_ * itemsize
+    io_bytes = 2 * T * D * itemsize
+    if backward:
+        return 3 * flops, 3 * weight_bytes + 2 * io_bytes
+    return flops, weight_bytes + io_bytes
+
+
+def run_case(impls, names, x, grad, backward, reps_max, budget_s):
+    """Warm up each implementation, then time them round-robin. Returns {name: [seconds]}."""
+    times = {}
+    warm = {}
+    for name in names:
+        module, fn = impls[name]
+        t0 = time.perf_counter()
+        _step(module, fn, x, grad, backward)
+        warm[name] = time.perf_counter() - t0
+    slowest = max(warm.values())
+    reps = max(1, min(reps_max, int(budget_s / max(slowest, 1e-6))))
+    if slowest > 3 * budget_s:
+        reps = 1
+    for name in names:
+        times[name] = []
+    for _ in range(reps):
+        for name in names:
+            module, fn = impls[name]
+            t0 = time.perf_counter()
+            _step(module, fn, x, grad, backward)
+            times[name].append(time.perf_counter() - t0)
+    return times, warm
+
+
+# --- the grid ------------------------------------------------------------------------------
+
+def bench(args) -> dict:
+    ceilings = measure_ceilings(args.quick)
+    print("ceilings:", {k: round(v, 1) for k, v in ceilings.items()}, flush=True)
+    rows, notes = [], []
+    for shape_name in args.configs:
+        shape = SHAPES[shape_name]
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            impls = build(shape, dtype)
+            if dtype == torch.float32:
+                check_same_function(impls, shape)
+            names = [n for n in IMPLS if n in impls]
+            if len(names) < len(IMPLS):
+                notes.append("transformers is not installed: hf_* rows skipped")
+            for pass_name in args.passes:
+                backward = pass_name == "fwd+bwd"
+                last = {}  # name → (T, seconds) of the last size run, to predict the next
+                for T in args.tokens:
+                    torch.manual_seed(T)
+                    x = torch.randn(T, shape.dim, dtype=dtype, requires_grad=backward)
+                    grad = torch.randn(T, shape.dim, dtype=dtype)
+                    run_names = []
+                    for name in names:
+                        if name in last:
+                            t_prev, s_prev = last[name]
+                            predicted = s_prev * T / t_prev
+                            if predicted > args.cap_s:
+                                notes.append(
+                                    f"{shape_name} {dtype_name} {pass_name} T={T} {name}: skipped, "
+                                    f"predicted {predicted:.0f} s per call from T={t_prev} "
+                                    f"({s_prev:.1f} s) > cap {args.cap_s:.0f} s"
+                                )
+                                continue
+                        run_names.append(name)
+                    times, warm = run_case(impls, run_names, x, grad, backward, args.reps, args.budget_s)
+                    with torch.no_grad():
+                        impls["moe_ffn"][1](x.detach())
+                    counts_E = impls["moe_ffn"][0].stats.tokens_per_expert_E
+                    active = int((counts_E > 0).sum())
+                    for name in run_names:
+                        module, fn = impls[name]
+                        med = statistics.median(times[name])
+                        last[name] = (T, med)
+                        dense = name.startswith("dense")
+                        flops, nbytes = active_cost(shape, T, active, x.element_size(), backward, dense)
+                        t_roof = max(flops / (ceilings[f"gemm_{dtype_name}_gflops"] * 1e9),
+                                     nbytes / (ceilings["bandwidth_gbs"] * 1e9))
+                        t_roof_best = max(flops / (ceilings["gemm_best_gflops"] * 1e9),
+                                          nbytes / (ceilings["bandwidth_gbs"] * 1e9))
+                        row = {
+                            "config": shape_name, "dtype": dtype_name, "pass": pass_name, "T": T,
+                            "impl": name, "median_s": med, "runs": len(times[name]),
+                            "warmup_s": warm[name], "tokens_per_s": T / med,
+                            "gflops": flops / med / 1e9, "active_experts": active,
+                            "roofline_s": t_roof, "frac_roofline": t_roof / med,
+                            "frac_best": t_roof_best / med,
+                        }
+                        if backward and T in args.memory_tokens:
+                            work, total = peak_memory(module, fn, x, grad)
+                            row["peak_work_mib"], row["peak_total_mib"] = work / 2**20, total / 2**20
+                        rows.append(row)
+                    _print_case(rows[-len(run_names):])
+            del impls
+    _add_speedups(rows)
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, "profiling/bench.py", *sys.argv[1:]]),
+        "ceilings": ceilings,
+        "rows": rows,
+        "notes": notes,
+        "dense_check": dense_check(args) if not args.no_dense_check else None,
+    }
+
+
+def _print_case(rows):
+    for r in rows:
+        mem = f" mem {r['peak_work_mib']:.0f} MiB" if "peak_work_mib" in r else ""
+        print(
+            f"{r['config']:8s} {r['dtype']} {r['pass']:7s} T={r['T']:5d} {r['impl']:14s} "
+            f"{r['median_s'] * 1e3:10.2f} ms  roof {r['frac_roofline']:.2f} (best {r['frac_best']:.2f}){mem}",
+            flush=True,
+        )
+
+
+def _add_speedups(rows):
+    """speed-up of each row over the faster transformers path in the same case."""
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r["config"], r["dtype"], r["pass"], r["T"]), []).append(r)
+    for case_rows in by_case.values():
+        hf = [r["median_s"] for r in case_rows if r["impl"].startswith("hf_")]
+        for r in case_rows:
+            r["speedup_vs_hf"] = min(hf) / r["median_s"] if hf else None
+
+
+def dense_check(args) -> list[dict]:
+    """A dense block (E = 1) against the hand-written nn.Linear block: D=1024, 2048 tokens."""
+    D, T = 1024, 2048
+    out = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        torch.manual_seed(0)
+        block = moe_ffn.SwiGLU(D).to(dtype)
+        hidden = block.hidden_dim
+        ref = NNLinearSwiGLU(D, hidden).to(dtype)
+        with torch.no_grad():
+            ref.gate.weight.copy_(block.gate_up_proj[0, :hidden])
+            ref.up.weight.copy_(block.gate_up_proj[0, hidden:])
+            ref.down.weight.copy_(block.down_proj[0])
+        impls = {"SwiGLU": (block, block), "nn.Linear": (ref, ref)}
+        for pass_name in args.passes:
+            backward = pass_name == "fwd+bwd"
+            x = torch.randn(T, D, dtype=dtype, requires_grad=backward)
+            grad = torch.randn(T, D, dtype=dtype)
+            times, _ = run_case(impls, list(impls), x, grad, backward, args.reps, args.budget_s)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = {"dtype": dtype_name, "pass": pass_name, "dim": D, "hidden_dim": hidden, "T": T,
+                   "swiglu_s": med["SwiGLU"], "nn_linear_s": med["nn.Linear"],
+                   "ratio": med["SwiGLU"] / med["nn.Linear"]}
+            print(f"dense check {dtype_name} {pass_name}: SwiGLU {row['swiglu_s'] * 1e3:.1f} ms, "
+                  f"nn.Linear {row['nn_linear_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}", flush=True)
+            out.append(row)
+    return out
+
+
+# --- outputs -------------------------------------------------------------------------------
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()})"
+    )
+
+
+def _fmt(v, spec, none="–"):
+    return none if v is None else format(v, spec)
+
+
+def table(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [
+        f"Run {result['date']} on {result['machine']}.",
+        f"Command: `{result['command']}`.",
+        "",
+        f"Ceilings measured in the same run: GEMM fp32 {c['gemm_fp32_gflops']:.1f} GFLOP/s, "
+        f"GEMM bf16 {c['gemm_bf16_gflops']:.1f} GFLOP/s, copy bandwidth {c['bandwidth_gbs']:.1f} GB/s.",
+        "",
+        "| config | dtype | pass | T | impl | median ms | tokens/s | GFLOP/s | roofline | roofline (best GEMM) "
+        "| × faster HF | peak work MiB | peak total MiB |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['config']} | {r['dtype']} | {r['pass']} | {r['T']} | {r['impl']} | "
+            f"{r['median_s'] * 1e3:.2f} | {r['tokens_per_s']:.0f} | {r['gflops']:.1f} | "
+            f"{r['frac_roofline']:.2f} | {r['frac_best']:.2f} | {_fmt(r['speedup_vs_hf'], '.2f')} | "
+            f"{_fmt(r.get('peak_work_mib'), '.0f')} | {_fmt(r.get('peak_total_mib'), '.0f')} |"
+        )
+    if result.get("dense_check"):
+        lines += ["", "Dense check (E = 1 SwiGLU against three nn.Linear, same weights):", "",
+                  "| dtype | pass | D | F | T | SwiGLU ms | nn.Linear ms | ratio |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in result["dense_check"]:
+            lines.append(f"| {r['dtype']} | {r['pass']} | {r['dim']} | {r['hidden_dim']} | {r['T']} | "
+                         f"{r['swiglu_s'] * 1e3:.1f} | {r['nn_linear_s'] * 1e3:.1f} | {r['ratio']:.3f} |")
+    if result["notes"]:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in sorted(set(result["notes"]))]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["config"], r["dtype"], r["pass"]) for r in result["rows"]})
+    cols = 4
+    rows_n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for impl in IMPLS:
+            pts = sorted((r["T"], r["tokens_per_s"]) for r in result["rows"]
+                         if (r["config"], r["dtype"], r["pass"]) == panel and r["impl"] == impl)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(" ".join(panel), fontsize=9)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("tokens/s")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def update_readme(md: str, path: Path) -> None:
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{md}{end}{tail}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="T ≤ 2048, fewer repeats, lower cap")
+    p.add_argument("--configs", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--tokens", nargs="+", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None, help="most timed rounds per case")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds of timed rounds per implementation")
+    p.add_argument("--cap-s", type=float, default=None,
+                   help="skip an implementation at a size whose predicted time per call exceeds this")
+    p.add_argument("--no-dense-check", action="store_true")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--no-readme", action="store_true", help="do not update profiling/README.md")
+    args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [t for t in TOKENS if t <= 2048] if args.quick else list(TOKENS)
+    args.reps = args.reps or (5 if args.quick else 11)
+    args.budget_s = args.budget_s or (1.0 if args.quick else 3.0)
+    args.cap_s = args.cap_s or (15.0 if args.quick else 40.0)
+    args.memory_tokens = set(args.tokens)
+    torch.set_num_threads(torch.get_num_threads())
+
+    result = bench(args)
+    md = table(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "bench_quick" if args.quick else "bench"
+    (args.out / f"{stem}.md").write_text(md)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{stem}.png")
+    if not args.no_readme:
+        update_readme(md, HERE / "README.md")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
