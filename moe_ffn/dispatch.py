@@ -58,6 +58,9 @@ def plan(
     """
     T, K = expert_ids_TK.shape
     ids_N = expert_ids_TK.reshape(-1)
+    if num_experts == 1 and capacity is None:  # one expert (the dense case): nothing to sort
+        order_N = torch.arange(ids_N.numel(), device=ids_N.device)
+        return DispatchPlan(order_N, order_N.new_full((1,), ids_N.numel()), order_N.new_zeros(()), K)
     if capacity is None:
         order_N = torch.argsort(ids_N, stable=True)
         counts_E = _count(ids_N, num_experts)
@@ -80,9 +83,79 @@ def plan(
     return DispatchPlan(order_N[to_end_N], counts_E, num_dropped, K)
 
 
+def _inverse(order_N: Tensor) -> Tensor:
+    """sorted position of each flat assignment t·K + k (the inverse permutation of order_N)."""
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return inverse_N
+
+
+def _sum_slots(y_ND: Tensor, inverse_TK: Tensor, weights_TK: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """out[t] = Σ_k w[t, k]·y[inverse[t, k]] (w = 1 when None), accumulated in `dtype`.
+
+    One gather of T rows per slot k, added into one [T, D] accumulator: no [T, K, D] tensor,
+    no scatter (deterministic, no atomics), no per-token Python loop (K ≤ a few).
+    """
+    T, K = inverse_TK.shape
+    out_TD = y_ND.new_zeros(T, y_ND.shape[1], dtype=dtype)
+    for k in range(K):
+        rows_TD = y_ND.index_select(0, inverse_TK[:, k])
+        if weights_TK is None:
+            out_TD.add_(rows_TD)
+        else:
+            out_TD.addcmul_(rows_TD, weights_TK[:, k : k + 1])
+    return out_TD
+
+
+class _Permute(torch.autograd.Function):
+    """x_ND = x_TD[token of each sorted row]; backward sums each token's K row gradients."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, order_N: Tensor, top_k: int) -> Tensor:
+        ctx.top_k = top_k
+        ctx.save_for_backward(order_N)
+        return x_TD.index_select(0, order_N // top_k)
+
+    @staticmethod
+    def backward(ctx, grad_ND: Tensor):
+        (order_N,) = ctx.saved_tensors
+        inverse_TK = _inverse(order_N).view(-1, ctx.top_k)
+        acc = torch.promote_types(grad_ND.dtype, torch.float32)
+        return _sum_slots(grad_ND, inverse_TK, None, acc).to(grad_ND.dtype), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """out_TD = Σ_k w[t, k]·y[row of (t, k)] in the weights' dtype, cast to out_dtype once."""
+
+    @staticmethod
+    def forward(ctx, y_ND: Tensor, weights_TK: Tensor, order_N: Tensor, out_dtype: torch.dtype) -> Tensor:
+        inverse_TK = _inverse(order_N).view(weights_TK.shape)
+        ctx.save_for_backward(y_ND, weights_TK, order_N, inverse_TK)
+        return _sum_slots(y_ND, inverse_TK, weights_TK, weights_TK.dtype).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        y_ND, weights_TK, order_N, inverse_TK = ctx.saved_tensors
+        T, K = weights_TK.shape
+        acc = weights_TK.dtype
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # d y[row of (t, k)] = w[t, k]·g[t]: a gather in sorted order, scaled per row.
+            w_N1 = weights_TK.reshape(-1).index_select(0, order_N).unsqueeze(1)
+            rows_ND = grad_TD.index_select(0, order_N // K)
+            grad_y = (rows_ND.to(acc) * w_N1).to(y_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            # d w[t, k] = <y[row of (t, k)], g[t]>, per slot: no [T, K, D] tensor.
+            g_TD = grad_TD.to(acc)
+            grad_w = torch.stack(
+                [(y_ND.index_select(0, inverse_TK[:, k]).to(acc) * g_TD).sum(-1) for k in range(K)], dim=1
+            ) if K else weights_TK.new_zeros(T, 0)
+        return grad_y, grad_w, None, None
+
+
 def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
     """[T, D] → [N, D]: the token row of each assignment, in expert order."""
-    return x_TD.index_select(0, plan.order_N // plan.top_k)
+    return _Permute.apply(x_TD, plan.order_N, plan.top_k)
 
 
 def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -91,9 +164,4 @@ def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: t
     NOTE: the weighted sum runs in the weights' dtype (float32 or float64) and is cast to
     `out_dtype` once at the end, so bf16 activations are not rounded per slot.
     """
-    T, K = weights_TK.shape
-    inverse_N = torch.empty_like(plan.order_N)
-    inverse_N[plan.order_N] = torch.arange(plan.order_N.numel(), device=plan.order_N.device)
-    y_TKD = y_ND.index_select(0, inverse_N).view(T, K, y_ND.shape[1])
-    out_T1D = torch.bmm(weights_TK.unsqueeze(1), y_TKD.to(weights_TK.dtype))
-    return out_T1D.squeeze(1).to(out_dtype)
+    return _Unpermute.apply(y_ND, weights_TK, plan.order_N, out_dtype)
