@@ -1,0 +1,208 @@
+"""Regression guard for the fast path: overheads that do not depend on FLOPs or wall time.
+
+Speed itself is measured by profiling/bench.py. These tests pin what makes it fast and stays
+true on a noisy machine: one host synchronisation per grouped op, no tensor of E·T·D
+elements and no copy of the weights per token, decode touching only the chosen experts'
+weights, and no Python loop over tokens. Each probe is first shown to catch the defect it
+guards against, so none of them passes vacuously.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moe_ffn import MoE, SwiGLU
+from moe_ffn.grouped import grouped_ffn
+
+# T tokens, D model dim, F hidden, E experts, K top-k: small, but E·T·D stands apart from
+# every legitimate size (N·D, N·2F, one expert's weights, the weight gradients E·2F·D).
+T, D, F, E, K = 32, 16, 8, 16, 2
+
+
+def _moe(**kw) -> MoE:
+    torch.manual_seed(0)
+    return MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, **kw)
+
+
+def _fwd_bwd(moe: MoE, x: torch.Tensor) -> None:
+    moe.zero_grad(set_to_none=True)
+    moe(x).square().sum().backward()
+
+
+# --- probes ---------------------------------------------------------------------------------
+
+class _SyncCounter:
+    """Counts the ways a CPU/GPU program waits for the device: Tensor.tolist from Python, and
+    aten ops that copy a value to the host (_local_scalar_dense: .item(), bool(), int()) or
+    produce data-dependent shapes (nonzero, unique)."""
+
+    PY_METHODS = ("tolist",)
+    ATEN = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_consecutive")
+
+    def __init__(self, monkeypatch):
+        self.python_calls = {name: 0 for name in self.PY_METHODS}
+        for name in self.PY_METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _name=name, _original=original, **kwargs):
+                self.python_calls[_name] += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def run(self, fn) -> int:
+        """Runs fn; returns the number of host synchronisations it made."""
+        before = sum(self.python_calls.values())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        aten = sum(e.count for e in prof.key_averages() if e.key in self.ATEN)
+        return sum(self.python_calls.values()) - before + aten
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest single CPU allocation made while fn runs (inside custom ops too),
+    read from the profiler's per-allocation memory events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    sizes = [e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"]
+    return max(sizes, default=0)
+
+
+def _op_count(fn) -> int:
+    """Number of aten op calls fn makes (custom ops' insides included)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+# --- host synchronisation -------------------------------------------------------------------
+
+def test_sync_probe_catches_a_sync(monkeypatch):
+    counter = _SyncCounter(monkeypatch)
+    counts = torch.tensor([1, 2, 3])
+    assert counter.run(lambda: counts.sum().item()) == 1
+    assert counter.run(lambda: counts.nonzero()) == 1
+    assert counter.run(lambda: counts.tolist()) == 1
+
+
+@pytest.mark.parametrize("num_experts", [4, 16])
+def test_one_host_sync_per_pass_whatever_the_number_of_experts(monkeypatch, num_experts):
+    counter = _SyncCounter(monkeypatch)
+    torch.manual_seed(0)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=num_experts, top_k=K)
+    x = torch.randn(T, D, requires_grad=True)
+    assert counter.run(lambda: moe(x)) == 1  # the counts the expert loop needs
+    y = moe(x)
+    assert counter.run(lambda: y.sum().backward()) == 1
+
+
+def test_dense_block_never_syncs(monkeypatch):
+    counter = _SyncCounter(monkeypatch)
+    block = SwiGLU(D, hidden_dim=F)
+    x = torch.randn(T, D, requires_grad=True)
+    assert counter.run(lambda: block(x).sum().backward()) == 0
+
+
+# --- no [E, T, D] tensors, no per-token weight copies ---------------------------------------
+
+def test_allocation_probe_catches_an_E_T_D_tensor():
+    itemsize = torch.empty((), dtype=torch.float32).element_size()
+    assert _largest_allocation(lambda: torch.zeros(E, T, D)) >= E * T * D * itemsize
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_E_T_D_tensor_in_forward_and_backward(dtype):
+    moe = _moe().to(dtype)
+    x = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    _fwd_bwd(moe, x)  # warm-up: one-time allocations are not the layer's
+    limit = E * T * D * dtype.itemsize
+    assert _largest_allocation(lambda: _fwd_bwd(moe, x)) < limit
+    # a per-token copy of the weights, [T·K, 2F, D], would be larger still
+    assert T * K * 2 * F * D * dtype.itemsize > limit
+
+
+def test_forward_copies_no_weights():
+    """fp32 forward: nothing as large as one expert's gate_up weight is allocated at all."""
+    moe = _moe()
+    x = torch.randn(T, D)
+    with torch.no_grad():
+        moe(x)
+        largest = _largest_allocation(lambda: moe(x))
+    one_expert = moe.experts.gate_up_proj[0].numel() * 4
+    assert largest < max(one_expert, T * K * 2 * F * 4 + 1)
+    assert largest < E * one_expert  # never a copy of the whole bank
+
+
+# --- decode touches only the chosen experts -------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_only_the_active_experts(dtype):
+    """Idle experts' weights are NaN: any product that read them would turn the output NaN."""
+    moe = _moe().to(dtype)
+    x = torch.randn(1, D, dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        moe(x)
+    active = set(moe.stats.expert_ids_TK.flatten().tolist())
+    assert len(active) == K
+    idle = [e for e in range(E) if e not in active]
+    with torch.no_grad():
+        for w in (moe.experts.gate_up_proj, moe.experts.down_proj):
+            w[idle] = float("nan")
+    y = moe(x)
+    assert torch.isfinite(y).all()
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for w in (moe.experts.gate_up_proj, moe.experts.down_proj):
+        assert torch.equal(w.grad[idle], torch.zeros_like(w.grad[idle]))  # exact zeros
+        assert torch.isfinite(w.grad[sorted(active)]).all()
+
+
+def test_nan_probe_catches_a_read_of_every_expert():
+    """The NaN probe above works: a dense product over all experts would be NaN."""
+    moe = _moe()
+    with torch.no_grad():
+        moe.experts.gate_up_proj[E - 1] = float("nan")
+        everything = torch.einsum("td,efd->tef", torch.randn(1, D), moe.experts.gate_up_proj)
+    assert not torch.isfinite(everything).all()
+
+
+def test_grouped_ffn_skips_experts_without_rows():
+    w1 = torch.full((3, 2 * F, D), float("nan"))
+    w2 = torch.full((3, D, F), float("nan"))
+    torch.manual_seed(0)
+    w1[1], w2[1] = torch.randn(2 * F, D), torch.randn(D, F)
+    x = torch.randn(5, D)
+    y = grouped_ffn(x, w1, w2, torch.tensor([0, 4, 0]), activation="silu", gated=True)
+    assert torch.isfinite(y[:4]).all()
+    assert torch.equal(y[4], torch.zeros(D))  # a row past the counted ones is zero
+
+
+# --- no Python loop over tokens ---------------------------------------------------------------
+
+def test_op_count_does_not_grow_with_tokens():
+    """top_k = E: every expert is busy at any T, so only a loop over tokens could add ops."""
+    torch.manual_seed(0)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=4, top_k=4)
+    counts = []
+    for tokens in (2, 64):
+        x = torch.randn(tokens, D, requires_grad=True)
+        _fwd_bwd(moe, x)
+        counts.append(_op_count(lambda: _fwd_bwd(moe, x)))
+    assert counts[0] == counts[1]
+
+
+def test_op_count_probe_catches_a_token_loop():
+    x = torch.randn(8, D)
+    per_token = lambda n: [row * 2 for row in x[:n]]  # noqa: E731
+    assert _op_count(lambda: per_token(8)) > _op_count(lambda: per_token(2))
