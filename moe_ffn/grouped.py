@@ -55,6 +55,9 @@ _NATIVE_LOWP_MAX_ROWS = 32
 # faster for 4–256 rows (x·Wᵀ and g·W layouts) and ties from ~1024 rows. Weight gradients
 # (gᵀ·x) stay on torch.mm, which is as fast or faster there.
 _ONEDNN_MAX_ROWS = 512
+# ... and at least this many multiply-adds: oneDNN always runs its two threads, and below
+# this size the thread hand-off costs more than it saves (badly so on a loaded machine).
+_ONEDNN_MIN_MACS = 1 << 24
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,6 +78,7 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and 0 < x.shape[0] <= _ONEDNN_MAX_ROWS
+        and x.shape[0] * w.numel() >= _ONEDNN_MIN_MACS
         and _onednn_linear_available()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
