@@ -120,6 +120,21 @@ def test_only_that_layers_tensors_are_read(mixtral_checkpoints, monkeypatch, whi
         assert {p.rsplit("/", 1)[-1] for p in counter.opened} == {weight_map[k] for k in expected}
 
 
+def test_checkpoint_in_the_fused_v5_layout(mixtral_checkpoints, tmp_path):
+    """A state dict saved as it is in memory (transformers 5's fused experts) loads too."""
+    from safetensors.torch import save_file
+
+    model, sharded, _ = mixtral_checkpoints
+    (tmp_path / "config.json").write_bytes((sharded / "config.json").read_bytes())
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert read_hf_layer_tensors(tmp_path, 1)[1:] == ("model.layers.1.mlp.", "v5")
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_layer(tmp_path, 1)(x), model.model.layers[1].mlp(x[None].clone())[0],
+                                   rtol=0, atol=1e-5)
+
+
 def test_dtype_and_device_arguments(mixtral_checkpoints):
     _, sharded, _ = mixtral_checkpoints
     ours = load_hf_layer(sharded, 0, dtype=torch.float64)
