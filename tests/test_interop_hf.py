@@ -243,3 +243,9 @@ def test_qwen_v4_on_disk_layout_matches_the_transformers_module():
 def test_unsupported_module_lists_the_supported_ones():
     with pytest.raises(TypeError, match=r"unsupported module Linear; supported: \[.*'MixtralSparseMoeBlock'.*'GPT2MLP'\]"):
         from_hf_module(torch.nn.Linear(3, 3))
+
+
+def test_unsupported_activation_lists_the_supported_ones():
+    mlp = LlamaMLP(LlamaConfig(hidden_size=D, intermediate_size=20, hidden_act="relu2", **ATTN))
+    with pytest.raises(ValueError, match=r"unsupported activation ReLUSquaredActivation; supported: \[.*'SiLUActivation'.*\]"):
+        from_hf_module(mlp)
