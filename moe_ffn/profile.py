@@ -10,13 +10,14 @@ TensorBoard scalars and histograms, PNGs and a summary.json, and `format_report`
 printed table. `moe-ffn profile` (moe_ffn/cli.py) is a thin layer over these.
 
 One run, in order:
-  1. the machine's GEMM peak: the best of a few large x·Wᵀ matmuls in the run's dtype;
-  2. one untimed step (first-call costs: lazy imports, allocator growth);
-  3. under `torch.profiler` with schedule(wait=S, warmup=1, active=A): the S "wait" steps
+  1. one untimed step (first-call costs: lazy imports, allocator growth);
+  2. under `torch.profiler` with schedule(wait=S, warmup=1, active=A): the S "wait" steps
      are timed (the profiler records nothing then, so its overhead stays out of tokens/s),
      the A active steps are traced to `<logdir>/<run>/` with `tensorboard_trace_handler`
-     and give the time share of each labelled region (`key_averages`).
-Expert load (tokens per expert, drops, aux losses) is recorded on every step of 3.
+     and give the time share of each labelled region (`key_averages`);
+  3. the machine's GEMM peak, the best of a few large x·Wᵀ matmuls in the run's dtype,
+     measured before 1 and after 2 (the higher is kept: the machine may be shared).
+Expert load (tokens per expert, drops, aux losses) is recorded on every step of 2.
 
 Routing overrides (forward hooks on each layer's router; the MoE layer itself is unchanged):
   * skew a > 0: every token's router logit for expert e gets −a·ln(e+1) added before the
