@@ -192,32 +192,6 @@ class MoEStack(nn.Module):
 # ----------------------------------------------------------------------------- routing overrides
 
 
-def route_from_logits(router: TopKRouter, logits_TE: Tensor) -> RouterOutput:
-    """The router's selection rule applied to given logits (what TopKRouter.forward does after
-    its matmul). tests/test_profile.py checks it against TopKRouter itself for every routing."""
-    K = router.top_k
-    bias_E = None if router.expert_bias is None else router.expert_bias.to(logits_TE.dtype)
-    if router.routing == "topk_softmax":
-        select_TE = logits_TE if bias_E is None else logits_TE + bias_E
-        expert_ids_TK = select_TE.topk(K, dim=-1).indices
-        weights_TK = logits_TE.gather(-1, expert_ids_TK).softmax(dim=-1)
-        probs_TE = logits_TE.softmax(dim=-1)
-    else:
-        if router.routing == "softmax_topk":
-            probs_TE = scores_TE = logits_TE.softmax(dim=-1)
-        else:  # sigmoid_topk
-            scores_TE = logits_TE.sigmoid()
-            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        select_TE = scores_TE if bias_E is None else scores_TE + bias_E
-        expert_ids_TK = select_TE.topk(K, dim=-1).indices
-        weights_TK = scores_TE.gather(-1, expert_ids_TK)
-        if router.norm_topk_prob:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-    if router.routed_scaling_factor != 1.0:
-        weights_TK = weights_TK * router.routed_scaling_factor
-    return RouterOutput(logits_TE, probs_TE, expert_ids_TK, weights_TK)
-
-
 def zipf_logit_bias(num_experts: int, exponent: float) -> Tensor:
     """[E] float64: −a·ln(e+1). Added to logits, softmax weights expert e by (e+1)^−a."""
     return -exponent * torch.arange(1, num_experts + 1, dtype=torch.float64).log()
@@ -232,7 +206,7 @@ def round_robin_ids(num_tokens: int, top_k: int, num_experts: int, device=None) 
 def _skew_hook(exponent: float) -> Callable:
     def hook(router: TopKRouter, inputs, out: RouterOutput) -> RouterOutput:
         bias_E = zipf_logit_bias(router.num_experts, exponent).to(out.logits_TE)
-        return route_from_logits(router, out.logits_TE + bias_E)
+        return router.route(out.logits_TE + bias_E)
 
     return hook
 

@@ -20,7 +20,6 @@ from moe_ffn.profile import (
     install_routing_override,
     load_stats,
     resolve_preset,
-    route_from_logits,
     run_profile,
 )
 from moe_ffn.router import TopKRouter
@@ -42,31 +41,6 @@ def _counts(stack: MoEStack, T: int, batches: int = 1, seed: int = 0) -> torch.T
             stack(torch.randn(T, stack.layers[0].config.dim, generator=gen))
             total = total + torch.stack([m.stats.tokens_per_expert_E for m in stack.layers])
     return total
-
-
-@pytest.mark.parametrize(
-    "routing, norm, scale, bias",
-    [
-        ("softmax_topk", True, 1.0, False),
-        ("softmax_topk", False, 1.0, True),
-        ("topk_softmax", True, 1.0, True),
-        ("sigmoid_topk", True, 2.5, True),
-        ("sigmoid_topk", False, 1.0, False),
-    ],
-)
-def test_route_from_logits_is_the_routers_rule(routing, norm, scale, bias):
-    # The skew hook re-applies the router's selection to shifted logits; unshifted, it must
-    # give exactly what TopKRouter itself gives.
-    torch.manual_seed(1)
-    router = TopKRouter(16, 6, 3, routing, norm, scale, expert_bias=bias, dtype=torch.float64)
-    if bias:
-        router.expert_bias.copy_(torch.randn(6) * 0.3)
-    x = torch.randn(40, 16, dtype=torch.float64)
-    ref = router(x)
-    got = route_from_logits(router, ref.logits_TE)
-    assert torch.equal(got.expert_ids_TK, ref.expert_ids_TK)
-    torch.testing.assert_close(got.weights_TK, ref.weights_TK, rtol=0, atol=0)
-    torch.testing.assert_close(got.probs_TE, ref.probs_TE, rtol=0, atol=0)
 
 
 def test_skew_of_a_zero_router_is_zipf():
