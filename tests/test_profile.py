@@ -1,7 +1,7 @@
 """moe_ffn.profile as a library: routing overrides, load statistics, FLOP counts, a run.
 
 Truth here is hand-computed (Zipf weights of a zero router, round-robin counts, FLOP
-formulas, capacity drops recounted from the routed counts) or the real TopKRouter.
+formulas, capacity drops recounted from the routed counts).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from moe_ffn.profile import (
     resolve_preset,
     run_profile,
 )
-from moe_ffn.router import TopKRouter
 
 TINY = load_preset("tiny-moe")  # D=64, F=128, E=8, K=2, 2 layers
 
