@@ -94,6 +94,6 @@ def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: t
     T, K = weights_TK.shape
     inverse_N = torch.empty_like(plan.order_N)
     inverse_N[plan.order_N] = torch.arange(plan.order_N.numel(), device=plan.order_N.device)
-    y_TKD = y_ND.index_select(0, inverse_N).view(T, K, -1)
+    y_TKD = y_ND.index_select(0, inverse_N).view(T, K, y_ND.shape[-1])  # not -1: T may be 0
     out_T1D = torch.bmm(weights_TK.unsqueeze(1), y_TKD.to(weights_TK.dtype))
     return out_T1D.squeeze(1).to(out_dtype)
