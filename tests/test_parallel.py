@@ -159,6 +159,24 @@ def case_input_without_grad_on_one_rank(group, seed):
     _run_against_reference(_cfg(num_experts=2 * W), [4, 6, 5, 3][:W], group, seed, input_requires_grad=rank != 0)
 
 
+def case_profiler_labels(group, seed):
+    # The profiler's all-to-all share reads these regions: 2 forward (counts and rows out in one,
+    # results back in the other) and 2 backward (the reverse of each row exchange).
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_ffn import MoE
+    from moe_ffn.parallel import expert_parallel
+
+    W = dist.get_world_size(group)
+    torch.manual_seed(seed)
+    moe = expert_parallel(MoE(_cfg(num_experts=2 * W)), group)
+    x = torch.randn(5, 8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        moe(x).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("all_to_all") == 4, [n for n in names if "all" in n]
+
+
 def case_ddp(group, seed):
     """DDP over the non-expert parameters: the experts excluded, gradients summed by the hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -307,6 +325,7 @@ CASES_2 = [
     case_top_k_all_experts,
     case_capacity_drops,
     case_input_without_grad_on_one_rank,
+    case_profiler_labels,
     case_ddp,
     case_checkpoint,
     case_world_not_dividing_experts,
