@@ -159,6 +159,31 @@ def case_input_without_grad_on_one_rank(group, seed):
     _run_against_reference(_cfg(num_experts=2 * W), [4, 6, 5, 3][:W], group, seed, input_requires_grad=rank != 0)
 
 
+def case_expert_load_summed(group, seed):
+    # Aux-loss-free balancing: after summing the per-rank loads, every rank moves the replicated
+    # router biases as one process that saw all tokens would.
+    from moe_ffn import MoE, update_expert_biases
+    from moe_ffn.parallel import all_reduce_expert_load, expert_parallel, expert_parallel_names
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    cfg = _cfg(num_experts=2 * W, expert_bias_update_rate=0.01)
+    torch.manual_seed(seed)
+    moe = MoE(cfg)
+    ref = copy.deepcopy(moe)
+    tokens = [7, 3, 9, 4][:W]
+    x_all = torch.randn(sum(tokens), cfg.dim)
+    expert_parallel(moe, group)
+    assert "expert_load" in expert_parallel_names(moe)
+    moe(x_all[sum(tokens[:rank]) : sum(tokens[: rank + 1])])
+    ref(x_all)
+    all_reduce_expert_load(moe)
+    torch.testing.assert_close(moe.expert_load, ref.expert_load, rtol=0, atol=0)
+    update_expert_biases(moe)
+    update_expert_biases(ref)
+    torch.testing.assert_close(moe.router.expert_bias, ref.router.expert_bias, rtol=0, atol=0)
+    assert ref.router.expert_bias.abs().sum() > 0
+
+
 def case_profiler_labels(group, seed):
     # The profiler's all-to-all share reads these regions: 2 forward (counts and rows out in one,
     # results back in the other) and 2 backward (the reverse of each row exchange).
@@ -325,6 +350,7 @@ CASES_2 = [
     case_top_k_all_experts,
     case_capacity_drops,
     case_input_without_grad_on_one_rank,
+    case_expert_load_summed,
     case_profiler_labels,
     case_ddp,
     case_checkpoint,
