@@ -1,8 +1,9 @@
 """Expert parallelism on torch.distributed: each rank keeps a contiguous block of the experts.
 
 Legend: T tokens, D model dim, E experts (all ranks), W ranks in the group, L = E/W experts
-on this rank, N = T·K assignment rows (sorted by global expert id), R rows this rank's
-experts receive from all ranks.
+on this rank, N = T·K assignment rows (sorted by global expert id), M ≤ N of them kept (not
+dropped by a capacity limit), R rows this rank's experts receive from all ranks, C = L + 1
+columns of the count exchange.
 
 `expert_parallel(moe, group)` replaces `moe.experts` in place by an `ExpertParallelExperts`:
 rank r keeps experts r·L … (r+1)·L − 1 as `gate_up_proj` [L, 2F, D] and `down_proj` [L, D, F]
@@ -34,7 +35,15 @@ unsharded layer decides them on that rank's batch: capacity = ceil(factor·T_r·
 the rank's token count. Outputs therefore equal one process running the whole layer on each
 rank's batch separately, NOT on all ranks' tokens concatenated (whose capacity counts all
 tokens at once). `experts.global_num_dropped` holds the sum of the drops over all ranks after
-each forward. `moe.stats` (routing, counts, aux losses) stays per rank.
+each forward. `moe.stats` (routing, counts, aux losses) stays per rank: an aux loss added to
+each rank's loss is the sum of per-batch aux losses, not the aux loss of the concatenation.
+For aux-loss-free balancing, call `all_reduce_expert_load(model)` before `update_expert_biases`.
+
+Rules. Every rank of the group runs every forward and backward of a sharded layer, even with
+zero tokens (the exchanges are collectives). Expert parallelism here spans one group; a
+replicated copy of the same expert block on another group (EP × DP) would also need its
+expert gradients all-reduced across those copies, which this module does not do. The exchanges
+sync the host once per forward (split sizes), so the layer does not trace under torch.compile.
 """
 
 from __future__ import annotations
@@ -145,7 +154,7 @@ class ExpertParallelExperts(GatedExperts):
         if tokens_per_expert_E is None or tuple(tokens_per_expert_E.shape) != (E,):
             got = None if tokens_per_expert_E is None else tuple(tokens_per_expert_E.shape)
             raise ValueError(f"expert-parallel experts need tokens_per_expert_E of shape ({E},), got {got}")
-        N, D = x_ND.shape
+        N = x_ND.shape[0]
         counts_WL = tokens_per_expert_E.view(W, L)
         with record_function("all_to_all"):
             # One exchange carries the counts and, in the last column, this rank's drop count
@@ -158,7 +167,7 @@ class ExpertParallelExperts(GatedExperts):
             sizes = torch.cat([counts_WL.sum(1), recv_WL.sum(1), recv_WC[:, L].sum().view(1)]).tolist()
             send_splits, recv_splits = sizes[:W], sizes[W : 2 * W]
             self.global_num_dropped = sizes[2 * W]
-            kept = sum(send_splits)
+            kept = sum(send_splits)  # M
             x_RD = _Exchange.apply(x_ND[:kept], recv_splits, send_splits, self.group, self.gate_up_proj)
         R = x_RD.shape[0]
         to_expert_R = _source_to_expert_order(recv_WL, R)
@@ -167,10 +176,10 @@ class ExpertParallelExperts(GatedExperts):
         y_RD = super().forward(x_RD.index_select(0, to_expert_R), recv_WL.sum(0))
         y_RD = y_RD.index_select(0, to_source_R)
         with record_function("all_to_all"):
-            y_KD = _Exchange.apply(y_RD, send_splits, recv_splits, self.group, self.gate_up_proj)
+            y_MD = _Exchange.apply(y_RD, send_splits, recv_splits, self.group, self.gate_up_proj)
         if kept == N:
-            return y_KD
-        return torch.cat([y_KD, y_KD.new_zeros(N - kept, y_KD.shape[1])])
+            return y_MD
+        return torch.cat([y_MD, y_MD.new_zeros(N - kept, y_MD.shape[1])])
 
     def extra_repr(self) -> str:
         lo = self.expert_offset
