@@ -579,8 +579,9 @@ def _build(opts: ProfileOptions, preset: Preset, device: torch.device, num_layer
 def _step_inputs(opts: ProfileOptions, dim: int, device: torch.device, step: int, rank: int = 0) -> Tensor:
     # One generator per step, on the CPU: the same tokens whatever the device and whatever
     # ran before, so a seed fixes every step's routing. Rank r > 0 draws its own tokens (rank 0
-    # draws what a single process would).
-    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step + rank * (1 << 40))
+    # draws what a single process would). NOTE: the CPU generator (mt19937) keeps only the low
+    # 32 bits of a seed, so the rank's offset must live in them.
+    gen = torch.Generator().manual_seed((opts.seed * 1_000_003 + step + rank * 0x9E3779B1) % 2**32)
     return torch.randn(opts.tokens, dim, generator=gen).to(device=device, dtype=DTYPES[opts.dtype])
 
 
