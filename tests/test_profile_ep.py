@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,20 @@ def test_each_rank_wrote_its_trace_and_rank_0_the_rest(ep_run):
     assert sorted(Path(p).name.split(".")[0] for p in summary["trace_files"]) == ["rank0", "rank1"]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # only rank 0 writes the scalars
     assert (run_dir / "expert_load.png").exists() and (run_dir / "time_by_region.png").exists()
+
+
+def test_torch_tb_profiler_finds_one_worker_per_rank(ep_run):
+    # The plugin's own loader, in a thread with a deadline (it parses traces in a subprocess).
+    from torch_tb_profiler import io
+    from torch_tb_profiler.profiler.loader import RunLoader
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(run=RunLoader("ep", str(ep_run[1]), io.Cache()).load()),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=90)
+    assert "run" in box, "torch-tb-profiler did not finish loading within 90 s"
+    assert sorted(p.worker for p in box["run"].get_profiles()) == ["rank0", "rank1"]
 
 
 def _inside(e: dict, outer: list[dict]) -> bool:
@@ -216,3 +231,29 @@ def test_torchrun_with_the_wrong_ep_exits_2_on_every_rank(tmp_path):
     assert 1 <= len(ours) <= W and all("--ep 4 must equal the number of processes" in line for line in ours)
     assert "exitcode  : 2" in proc.stderr  # torchrun's report: the first rank to fail exited 2
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+# ---------------------------------------------------------------- more launches (slow: ~15 s each here)
+
+
+@pytest.mark.slow
+def test_balanced_routing_is_uniform_over_all_ranks(tmp_path):
+    # Round robin on each rank: every expert gets exactly T·K/E rows from each rank.
+    proc = _torchrun("--ep", str(W), "--config", "tiny-moe", "--tokens", str(T), "--steps", "1", "--trace-steps", "1",
+                     "--balanced", "--logdir", str(tmp_path), "--run-name", "b", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert all(c == [W * T * K // E] * E for step in summary["tokens_per_expert_SLE"] for c in step)
+    assert [ld["cv"] for ld in summary["layer_loads"]] == [0.0] * LAYERS
+
+
+@pytest.mark.slow
+def test_sweep_under_expert_parallelism(tmp_path):
+    proc = _torchrun("--ep", str(W), "--config", "tiny-moe", "--sweep", "16,48", "--steps", "1",
+                     "--logdir", str(tmp_path), "--run-name", "sw", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("token sweep") == 1 and "2 expert-parallel ranks" in proc.stdout
+    points = json.loads((tmp_path / "sw" / "sweep.json").read_text())["points"]
+    assert [p["tokens"] for p in points] == [16, 48]
+    for p in points:
+        assert p["tokens_per_s"] == pytest.approx(W * p["tokens"] / p["step_seconds"])
