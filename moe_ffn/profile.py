@@ -89,6 +89,7 @@ __all__ = [
     "format_sweep",
     "check_launch",
     "init_expert_parallel",
+    "launched_world_size",
     "install_routing_override",
     "load_stats",
     "measure_gemm_peak",
