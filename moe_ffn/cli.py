@@ -3,9 +3,11 @@
     moe-ffn profile [--config PRESET_OR_TOML] [--layers N] [--tokens N] [--steps N]
                     [--dtype fp32|bf16] [--device cpu|cuda] [--skew A | --balanced]
                     [--seed N] [--logdir DIR] [--run NAME] [--sweep [T1,T2,...]]
+    torchrun --nproc-per-node W -m moe_ffn.profile --ep W [flags]   # expert parallelism
 
-Bad input (a missing or invalid config, a non-positive count, an unavailable device) ends
-with one line on stderr naming the flag or file, and exit status 2.
+Bad input (a missing or invalid config, a non-positive count, an unavailable device, --ep
+not matching the processes torchrun started) ends with one line on stderr naming the flag or
+file, and exit status 2 (on every rank).
 """
 
 from __future__ import annotations
@@ -103,13 +105,16 @@ def _build_parser() -> _Parser:
                          help="round-robin routing: every expert gets T*K/E rows (best case)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="weights and tokens (default 0)")
     p.add_argument("--logdir", default="runs", help="parent folder of run folders (default runs/)")
-    p.add_argument("--run", dest="run_name", help="run folder name (default <preset>-<routing>-<time>)")
+    # --run-name: under torchrun, whose parser reads "--run" as an ambiguous abbreviation of its --run-path.
+    p.add_argument("--run", "--run-name", dest="run_name",
+                   help="run folder name (default <preset>-<routing>-<time>); under torchrun spell it --run-name")
     p.add_argument("--sweep", nargs="?", const="", type=lambda s: _token_list(s) if s else [],
                    metavar="T1,T2,...",
                    help="time steps at several token counts instead (default: T/4, T/2, T, 2T); "
                    "prints a table and writes sweep.png")
-    p.add_argument("--ep", type=_positive_int, default=1,
-                   help="expert-parallel degree (only 1 is available in this version)")
+    p.add_argument("--ep", type=_positive_int, default=1, metavar="W",
+                   help="expert-parallel degree: shard every layer's experts over W processes started with "
+                   "torchrun --nproc-per-node W (gloo on CPU, NCCL on CUDA); default 1")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser
 
@@ -127,17 +132,45 @@ def _profile(args: argparse.Namespace) -> int:
                 f"moe-ffn profile: error: needs {module}; install the extra: pip install 'moe_ffn[profile]'"
             ) from None
 
-    if args.ep > 1:
-        raise _UsageError("moe-ffn profile: error: --ep: expert parallelism is not available in the profiler yet; use --ep 1")
+    if args.ep > 1 or prof.launched_world_size() > 1:
+        # First, and alike on every rank: a bad launch fails everywhere at once.
+        try:
+            prof.check_launch(args.ep, args.device)
+        except ValueError as e:
+            raise _UsageError(f"moe-ffn profile: error: {e}") from None
     try:
         preset = prof.resolve_preset(args.config)
     except (OSError, ValueError, TypeError) as e:
         # OSError: missing/unreadable file; ValueError: unknown preset or key, bad TOML or field value.
         raise _UsageError(f"moe-ffn profile: error: --config {args.config}: {e}") from None
+    if args.ep > 1 and preset.ffn.num_experts % args.ep:
+        raise _UsageError(f"moe-ffn profile: error: --ep {args.ep} does not divide the {preset.ffn.num_experts} "
+                          f"experts of {preset.name}")
+    if args.ep > 1:
+        import torch.distributed as dist
+
+        ours = not dist.is_initialized()
+        try:
+            prof.init_expert_parallel(args.ep, args.device)
+        except (ValueError, RuntimeError) as e:
+            raise _UsageError(f"moe-ffn profile: error: {e}") from None
+        try:
+            return _run(prof, args, preset)
+        finally:
+            if ours:
+                dist.destroy_process_group()
     try:
         prof.check_device(args.device)
     except (ValueError, RuntimeError) as e:
         raise _UsageError(f"moe-ffn profile: error: --device: {e}") from None
+    return _run(prof, args, preset)
+
+
+def _run(prof, args: argparse.Namespace, preset) -> int:
+    """The run itself; with --ep every rank runs it and rank 0 writes the outputs and prints."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     opts = prof.ProfileOptions(
         config=args.config, layers=args.layers, tokens=args.tokens, steps=args.steps,
@@ -148,6 +181,8 @@ def _profile(args: argparse.Namespace) -> int:
     if args.sweep is not None:
         counts = args.sweep or sorted({max(1, args.tokens // 4), max(1, args.tokens // 2), args.tokens, 2 * args.tokens})
         points, peak = prof.run_sweep(opts, counts)
+        if rank != 0:
+            return 0
         run_dir = Path(opts.logdir) / (opts.run_name or prof.default_run_name(opts, preset, "sweep"))
         paths = prof.write_sweep_outputs(opts, preset.name, points, peak, run_dir)
         print(prof.format_sweep(points, peak))
@@ -156,6 +191,8 @@ def _profile(args: argparse.Namespace) -> int:
         return 0
 
     result = prof.run_profile(opts)
+    if rank != 0:
+        return 0
     prof.write_outputs(result)
     print(prof.format_report(result))
     print()

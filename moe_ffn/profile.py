@@ -31,6 +31,20 @@ Routing overrides (forward hooks on each layer's router; the MoE layer itself is
     are distinct. The combine weights are the router's probabilities of those experts,
     renormalised to sum 1, so the router stays in the backward graph.
 
+Expert parallelism (ep = W > 1, one process per rank under `torchrun --nproc-per-node W`;
+`init_expert_parallel` sets up the process group): every rank builds the same stack from the
+same seed and shards each layer with `moe_ffn.parallel.expert_parallel`, then steps on its
+own tokens (the input seed includes the rank). The step is forward+backward only: no optimizer
+step, hence no all-reduce of the replicated gradients. Each rank writes its own trace
+(worker name rank<r>) into the same run folder; the numbers are made global once the steps
+are done: tokens per expert, drops summed over ranks (they sum to W·T·K per layer); aux losses
+averaged over ranks; a step's time is the slowest rank's; tokens/s = W·T / step time; the GEMM
+peak is the sum of the ranks' peaks measured at the same time; region times are averaged over
+ranks. The `all_to_all` region holds the four exchanges per layer and step: two in the forward,
+which sit inside `experts` and are taken out of it (so `experts` is the local expert compute),
+and two in the backward, taken out of `backward`. Exchange time includes waiting for the
+slowest rank.
+
 Numbers: expert FLOPs per step = 3 (forward + backward) × Σ_layers [6·D·F·(T·K − dropped)
 + 6·D·F_shared·T]; the router's 2·D·E per token is not counted. On CUDA the steps are timed
 with CUDA events and region times are device times; on CPU with `time.perf_counter` and
@@ -39,8 +53,10 @@ CPU times.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import re
 import shlex
 import statistics
@@ -71,6 +87,9 @@ __all__ = [
     "format_paths",
     "format_report",
     "format_sweep",
+    "check_launch",
+    "init_expert_parallel",
+    "launched_world_size",
     "install_routing_override",
     "load_stats",
     "measure_gemm_peak",
@@ -111,7 +130,7 @@ class ProfileOptions:
     seed: int = 0  # weights, tokens and hence routing are a function of it
     logdir: str = "runs"  # parent folder of the run folders (`tensorboard --logdir` it)
     run_name: str | None = None  # run folder name; None: <preset>-<routing>-<date-time>
-    ep: int = 1  # expert-parallel degree; > 1 needs moe_ffn.parallel (not wired in yet)
+    ep: int = 1  # expert-parallel degree W: > 1 needs W processes (torchrun) in an initialised group
     progress: bool = True  # tqdm bar on stderr
 
     def __post_init__(self) -> None:
@@ -167,6 +186,121 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
+# ----------------------------------------------------------------------------- expert parallelism
+
+# A stuck collective raises after this long instead of waiting forever (torchrun also stops
+# every rank as soon as one fails); long enough for a large stack's step on a CPU.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun started (its WORLD_SIZE variable); 1 without torchrun."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_launch(ep: int, device: str = "cpu") -> None:
+    """The checks of `init_expert_parallel` that need no collective: they depend only on what
+    every rank sees alike (the launch variables, the flags), so a bad launch fails on every
+    rank at once and no rank is left waiting for a peer.
+
+    Raises:
+        ValueError: ep > 1 without torchrun's variables, ep ≠ the number of processes (also
+            ep = 1 under a multi-process torchrun), or "cuda:N" with ep > 1. The message
+            names the flag.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world != ep:
+            raise ValueError(f"--ep {ep}: the initialised process group has {world} ranks; --ep must equal it")
+    else:
+        world = launched_world_size()
+        if ep == 1 and world > 1:
+            raise ValueError(f"--ep 1 but torchrun started {world} processes; pass --ep {world} "
+                             "(each process would otherwise profile the whole stack on its own)")
+        missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if ep > 1 and missing:
+            raise ValueError(
+                f"--ep {ep} needs {ep} processes started by torchrun (no {', '.join(missing)} in the environment): "
+                f"torchrun --nproc-per-node {ep} -m moe_ffn.profile --ep {ep} ..."
+            )
+        if world != ep:
+            raise ValueError(
+                f"--ep {ep} must equal the number of processes, but torchrun started {world} "
+                f"(--nproc-per-node {world}); pass --ep {world} or --nproc-per-node {ep}"
+            )
+        if ep > 1 and not dist.is_available():
+            raise ValueError(f"--ep {ep}: this torch build has no torch.distributed")
+    if ep > 1 and re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"--device {device}: with --ep each rank uses cuda:LOCAL_RANK; pass --device cuda")
+
+
+def init_expert_parallel(ep: int, device: str = "cpu") -> torch.device:
+    """Join the default process group of the `ep` processes torchrun started; return this
+    rank's device.
+
+    `check_launch` first; then this rank's own device is checked (a failing rank exits and
+    torchrun stops its peers), and the default group is initialised unless it already is:
+    gloo on CPU, NCCL on CUDA with rank on cuda:LOCAL_RANK.
+
+    Args:
+        ep: the expert-parallel degree, which must equal the number of processes.
+        device: "cpu" or "cuda" (not "cuda:N": each rank takes its own GPU).
+    Returns: the device this rank runs on.
+    Raises:
+        ValueError: see `check_launch`; CUDA unavailable or too few GPUs on this rank.
+    """
+    import torch.distributed as dist
+
+    check_launch(ep, device)
+    dev = torch.device("cpu")
+    if device.startswith("cuda"):
+        # NOTE: the CUDA branch (NCCL, one GPU per rank) is written but has not run on a GPU.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            dev = check_device(f"cuda:{local_rank}")
+        except ValueError as e:
+            raise ValueError(f"--device {device}: {e}") from None
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=dev)
+        else:
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    return dev
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) when torch.distributed is not in use."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(t: Tensor, op: str, device: torch.device) -> Tensor:
+    """`t` reduced over the default group ("sum" or "max"), on the CPU. The collective runs
+    on `device` (NCCL only reduces CUDA tensors, gloo CPU ones)."""
+    import torch.distributed as dist
+
+    t = t.to(device).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.cpu()
+
+
+def _all_gather_object(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -180,8 +314,15 @@ class MoEStack(nn.Module):
         super().__init__()
         self.norms = nn.ModuleList(nn.RMSNorm(config.dim, device=device, dtype=dtype) for _ in range(num_layers))
         self.layers = nn.ModuleList(MoE(config, device=device, dtype=dtype) for _ in range(num_layers))
-        # NOTE: for --ep N this is where each layer would be handed to
-        # moe_ffn.parallel.expert_parallel(layer, group); its all_to_all region is already in REGIONS.
+
+    def shard_experts(self, group=None) -> "MoEStack":
+        """Shard every layer's experts over `group` (`moe_ffn.parallel.expert_parallel`; a
+        collective: every rank calls it, having built the stack from the same seed)."""
+        from moe_ffn.parallel import expert_parallel
+
+        for moe in self.layers:
+            expert_parallel(moe, group)
+        return self
 
     def forward(self, x_TD: Tensor) -> Tensor:
         for norm, moe in zip(self.norms, self.layers):
@@ -330,7 +471,12 @@ def load_stats(counts_E: Tensor) -> tuple[float, float, float, float, float]:
 
 @dataclass
 class ProfileResult:
-    """Everything one `run_profile` measured. Per-step arrays are indexed [step][layer]."""
+    """Everything one `run_profile` measured. Per-step arrays are indexed [step][layer].
+
+    With expert parallelism (world_size W > 1) every field is global (module docstring) and
+    the same on every rank, except `param_bytes` (this rank's share) and `run_dir`'s traces,
+    one per rank.
+    """
 
     options: ProfileOptions
     preset: Preset
@@ -340,6 +486,7 @@ class ProfileResult:
     gemm_peak: dict
     flops_per_step: float
     region_ms: dict[str, float]  # per traced step; REGIONS present + "forward (other)", "backward", "other"
+    # (mean over ranks with W > 1; "experts" and "backward" then exclude the all_to_all inside them)
     region_time_kind: str  # "CPU" or "CUDA device"
     peak_memory_bytes: int | None
     peak_memory_kind: str
@@ -349,8 +496,16 @@ class ProfileResult:
     balance_loss_SL: list[list[float]]
     z_loss_SL: list[list[float]]
     aux_loss_SL: list[list[float]]
-    trace_files: list[Path] = field(default_factory=list)
+    trace_files: list[Path] = field(default_factory=list)  # every rank's
+    world_size: int = 1  # expert-parallel ranks W
+    exchange_ms: dict[str, float] = field(default_factory=dict)  # all_to_all per step: "forward", "backward"
+    region_ms_by_rank: list[dict[str, float]] = field(default_factory=list)  # W > 1: each rank's region_ms
     paths: dict[str, Path] = field(default_factory=dict)  # filled by write_outputs
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens per step over all ranks, W·T."""
+        return self.options.tokens * self.world_size
 
     @property
     def step_time(self) -> float:
@@ -359,7 +514,7 @@ class ProfileResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.options.tokens / self.step_time
+        return self.global_tokens / self.step_time
 
     @property
     def tflops(self) -> float:
@@ -372,7 +527,7 @@ class ProfileResult:
     def layer_loads(self) -> list[LayerLoad]:
         counts = torch.tensor(self.counts_SLE, dtype=torch.float64)  # [S, L, E]
         S = counts.shape[0]
-        N = self.options.tokens * self.preset.ffn.top_k
+        N = self.global_tokens * self.preset.ffn.top_k
         dropped = torch.tensor(self.dropped_SL, dtype=torch.float64)
         loads = []
         for l in range(self.num_layers):
@@ -393,20 +548,41 @@ def default_run_name(opts: ProfileOptions, preset: Preset, kind: str = "") -> st
     return "-".join(p for p in parts if p)
 
 
+def _setup(opts: ProfileOptions) -> tuple[Preset, torch.device, int, int]:
+    """(preset, device, rank, world size) of a run; checks that --ep matches the process group."""
+    preset = resolve_preset(opts.config)
+    device = check_device(opts.device)
+    rank, world = _world()
+    if opts.ep != world:
+        raise ValueError(
+            f"ep={opts.ep} but the default process group has {world} rank(s)"
+            + ("; call init_expert_parallel (or dist.init_process_group) first" if world == 1 else "")
+        )
+    if world > 1:
+        E = preset.ffn.num_experts
+        if E % world:
+            raise ValueError(f"--ep {world} does not divide the {E} experts of {preset.name}")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return preset, device, rank, world
+
+
 def _build(opts: ProfileOptions, preset: Preset, device: torch.device, num_layers: int) -> MoEStack:
-    if opts.ep > 1:
-        # The place for expert parallelism: wrap each layer of the stack (see MoEStack).
-        raise NotImplementedError("--ep > 1: expert parallelism is not wired into the profiler yet")
+    # Same seed on every rank: expert_parallel slices each rank's block out of identical banks.
     torch.manual_seed(opts.seed)
     stack = MoEStack(preset.ffn, num_layers, device=device, dtype=DTYPES[opts.dtype])
+    if opts.ep > 1:
+        stack.shard_experts()
     install_routing_override(stack, skew=opts.skew, balanced=opts.balanced)
     return stack
 
 
-def _step_inputs(opts: ProfileOptions, dim: int, device: torch.device, step: int) -> Tensor:
+def _step_inputs(opts: ProfileOptions, dim: int, device: torch.device, step: int, rank: int = 0) -> Tensor:
     # One generator per step, on the CPU: the same tokens whatever the device and whatever
-    # ran before, so a seed fixes every step's routing.
-    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
+    # ran before, so a seed fixes every step's routing. Rank r > 0 draws its own tokens (rank 0
+    # draws what a single process would). NOTE: the CPU generator (mt19937) keeps only the low
+    # 32 bits of a seed, so the rank's offset must live in them.
+    gen = torch.Generator().manual_seed((opts.seed * 1_000_003 + step + rank * 0x9E3779B1) % 2**32)
     return torch.randn(opts.tokens, dim, generator=gen).to(device=device, dtype=DTYPES[opts.dtype])
 
 
@@ -428,8 +604,34 @@ def _train_step(stack: MoEStack, x_TD: Tensor) -> list:
     ]
 
 
-def _region_times(prof, cuda: bool) -> tuple[dict[str, float], str]:
-    """Per-step milliseconds of each labelled region from the profiler's key_averages."""
+def _exchange_times(prof, cuda: bool) -> tuple[float, float, float]:
+    """(forward, backward, backward inside the "backward" range) µs of the all_to_all ranges
+    over the traced steps.
+
+    key_averages merges the forward exchanges (nested in "experts") with the backward ones, so
+    the ranges are classified one by one by their enclosing range. On CPU the autograd engine
+    runs the backward on the calling thread, inside "backward"; on CUDA it runs on its own
+    thread, outside any of our ranges (hence the third number).
+    """
+    fwd = bwd = bwd_nested = 0.0
+    for e in prof.events():
+        if e.name != "all_to_all":
+            continue
+        t = e.device_time_total if cuda else e.cpu_time_total
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in ("forward", "backward"):
+            parent = parent.cpu_parent
+        if parent is not None and parent.name == "forward":
+            fwd += t
+        else:
+            bwd += t
+            bwd_nested += t if parent is not None else 0.0
+    return fwd, bwd, bwd_nested
+
+
+def _region_times(prof, cuda: bool) -> tuple[dict[str, float], dict[str, float], str]:
+    """Per-step milliseconds of each labelled region from the profiler's key_averages, and of
+    the forward and backward all_to_all exchanges (module docstring: no time counted twice)."""
     # CPU: inclusive CPU time of each record_function range. CUDA: the device time of the
     # kernels each range launched (not run here, see _Timer); the backward runs on autograd's
     # own thread there, so it is what remains of all kernel time after the forward.
@@ -447,16 +649,23 @@ def _region_times(prof, cuda: bool) -> tuple[dict[str, float], str]:
         total = sum(e.cpu_time_total for e in steps)
         value = lambda name: averages[name].cpu_time_total if name in averages else 0.0  # noqa: E731
     regions = {r: value(r) for r in REGIONS if r in averages}
+    fwd_a2a = bwd_a2a = bwd_a2a_nested = 0.0
+    if "all_to_all" in regions:
+        fwd_a2a, bwd_a2a, bwd_a2a_nested = _exchange_times(prof, cuda)
+        regions["all_to_all"] = fwd_a2a + bwd_a2a
+        regions["experts"] = max(0.0, regions.get("experts", 0.0) - fwd_a2a)
     forward = value("forward")
     out = dict(regions)
-    out["forward (other)"] = max(0.0, forward - sum(regions.values()))
+    out["forward (other)"] = max(0.0, forward - sum(regions.values()) + bwd_a2a)
     if cuda:
-        out["backward + other"] = max(0.0, total - forward)
+        out["backward + other"] = max(0.0, total - forward - bwd_a2a)
     else:
         backward = value("backward")
-        out["backward"] = backward
-        out["other"] = max(0.0, total - forward - backward)
-    return {k: v / 1e3 / n_steps for k, v in out.items()}, ("CUDA device" if cuda else "CPU")
+        out["backward"] = max(0.0, backward - bwd_a2a_nested)
+        out["other"] = max(0.0, total - forward - backward - (bwd_a2a - bwd_a2a_nested))
+    per_step = lambda v: v / 1e3 / n_steps  # noqa: E731
+    exchanges = {"forward": per_step(fwd_a2a), "backward": per_step(bwd_a2a)} if "all_to_all" in regions else {}
+    return {k: per_step(v) for k, v in out.items()}, exchanges, ("CUDA device" if cuda else "CPU")
 
 
 def _trace_peak_memory(trace_files: Sequence[Path]) -> int | None:
@@ -474,29 +683,57 @@ def _trace_peak_memory(trace_files: Sequence[Path]) -> int | None:
     return peak
 
 
+def _gemm_peak(device: torch.device, dtype: torch.dtype, world: int) -> dict:
+    """measure_gemm_peak; with W ranks the sum of the ranks' peaks, measured at the same time
+    (after a barrier), which is what the ranks' devices give together (on one CPU they share it)."""
+    if world == 1:
+        return measure_gemm_peak(device, dtype)
+    import torch.distributed as dist
+
+    dist.barrier()
+    peak = measure_gemm_peak(device, dtype)
+    peak["flops"] = _all_reduce(torch.tensor([peak["flops"]], dtype=torch.float64), "sum", device).item()
+    peak["ranks"] = world
+    return peak
+
+
+def _mean_dicts(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = list(dict.fromkeys(k for d in dicts for k in d))  # first-seen order
+    return {k: statistics.fmean(d.get(k, 0.0) for d in dicts) for k in keys}
+
+
 def run_profile(opts: ProfileOptions) -> ProfileResult:
-    """Run the profile described in the module docstring; traces go to <logdir>/<run>/."""
+    """Run the profile described in the module docstring; traces go to <logdir>/<run>/.
+
+    With opts.ep > 1 every rank of the default process group (of exactly ep ranks, see
+    `init_expert_parallel`) must call it; every rank gets the same, global result.
+    """
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
     from tqdm import tqdm
 
-    preset = resolve_preset(opts.config)
-    device = check_device(opts.device)
+    preset, device, rank, world = _setup(opts)
     num_layers = opts.layers or preset.num_layers
-    run_dir = Path(opts.logdir) / (opts.run_name or default_run_name(opts, preset))
+    run_name = opts.run_name or default_run_name(opts, preset)
+    if world > 1:
+        run_name = _all_gather_object(run_name)[0]  # rank 0's clock names the folder
+    run_dir = Path(opts.logdir) / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    old_traces = set(run_dir.glob("*.pt.trace.json*"))  # a reused --run folder keeps earlier traces
+    worker = f"rank{rank}" if world > 1 else None  # None: the handler's <host>_<pid>
+    trace_glob = f"{worker}.*.pt.trace.json*" if worker else "*.pt.trace.json*"
+    old_traces = set(run_dir.glob(trace_glob))  # a reused --run folder keeps earlier traces
     dtype = DTYPES[opts.dtype]
     cuda = device.type == "cuda"
 
     stack = _build(opts, preset, device, num_layers)
-    gemm_peak = measure_gemm_peak(device, dtype)
+    gemm_peak = _gemm_peak(device, dtype, world)
     timer = _Timer(device)
     step_seconds: list[float] = []
     recorded: list[list] = []
 
     total_steps = 1 + opts.steps + 1 + opts.trace_steps
-    bar = tqdm(total=total_steps, desc=f"profile {preset.name}", unit="step", disable=not opts.progress, file=sys.stderr)
-    _train_step(stack, _step_inputs(opts, preset.ffn.dim, device, step=-1))  # untimed first step
+    bar = tqdm(total=total_steps, desc=f"profile {preset.name}" + (f" (ep {world})" if world > 1 else ""),
+               unit="step", disable=not opts.progress or rank != 0, file=sys.stderr)
+    _train_step(stack, _step_inputs(opts, preset.ffn.dim, device, step=-1, rank=rank))  # untimed first step
     bar.update()
     if cuda:
         torch.cuda.synchronize(device)
@@ -505,12 +742,12 @@ def run_profile(opts: ProfileOptions) -> ProfileResult:
     with profile(
         activities=activities,
         schedule=schedule(wait=opts.steps, warmup=1, active=opts.trace_steps, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(run_dir)),
+        on_trace_ready=tensorboard_trace_handler(str(run_dir), worker_name=worker),
         record_shapes=True,
         profile_memory=True,
     ) as prof:
         for step in range(opts.steps + 1 + opts.trace_steps):
-            x_TD = _step_inputs(opts, preset.ffn.dim, device, step)
+            x_TD = _step_inputs(opts, preset.ffn.dim, device, step, rank=rank)
             timed = step < opts.steps
             if timed:
                 timer.start()
@@ -521,17 +758,34 @@ def run_profile(opts: ProfileOptions) -> ProfileResult:
             bar.update()
     bar.close()
 
-    gemm_peak = _better_peak(gemm_peak, measure_gemm_peak(device, dtype))
-    region_ms, region_kind = _region_times(prof, cuda)
-    trace_files = sorted(set(run_dir.glob("*.pt.trace.json*")) - old_traces)
+    gemm_peak = _better_peak(gemm_peak, _gemm_peak(device, dtype, world))
+    region_ms, exchange_ms, region_kind = _region_times(prof, cuda)
+    trace_files = sorted(set(run_dir.glob(trace_glob)) - old_traces)
     if cuda:
         peak_mem, mem_kind = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     else:
         peak_mem, mem_kind = _trace_peak_memory(trace_files), "CPU allocator peak in the traced steps, weights excluded"
 
-    as_int = lambda t: int(t.item())  # noqa: E731
-    counts = [[layer[0].tolist() for layer in step] for step in recorded]
-    dropped = [[as_int(layer[1]) for layer in step] for step in recorded]
+    counts_SLE = torch.stack([torch.stack([layer[0] for layer in step]) for step in recorded]).to(torch.int64)
+    dropped_SL = torch.tensor([[int(layer[1]) for layer in step] for step in recorded], dtype=torch.int64)
+    losses_SL3 = torch.tensor([[[layer[i].item() for i in (2, 3, 4)] for layer in step] for step in recorded],
+                              dtype=torch.float64)
+    by_rank: list[dict[str, float]] = []
+    if world > 1:
+        # Global numbers, made once the steps are done so that no extra collective runs in them.
+        counts_SLE = _all_reduce(counts_SLE, "sum", device)
+        dropped_SL = _all_reduce(dropped_SL, "sum", device)
+        losses_SL3 = _all_reduce(losses_SL3, "sum", device) / world  # each rank's own batch: mean over ranks
+        step_seconds = _all_reduce(torch.tensor(step_seconds, dtype=torch.float64), "max", device).tolist()
+        by_rank = _all_gather_object(region_ms)
+        region_ms = _mean_dicts(by_rank)
+        exchange_ms = _mean_dicts(_all_gather_object(exchange_ms))
+        peaks = [p for p in _all_gather_object(peak_mem) if p is not None]
+        peak_mem = max(peaks) if peaks else None
+        mem_kind += f"; the largest of {world} ranks"
+        trace_files = sorted(Path(t) for ts in _all_gather_object([str(t) for t in trace_files]) for t in ts)
+    counts = counts_SLE.cpu().tolist()
+    dropped = dropped_SL.tolist()
     mean_dropped = statistics.fmean(d for step in dropped for d in step)
     return ProfileResult(
         options=opts,
@@ -540,7 +794,7 @@ def run_profile(opts: ProfileOptions) -> ProfileResult:
         run_dir=run_dir,
         step_seconds=step_seconds,
         gemm_peak=gemm_peak,
-        flops_per_step=expert_flops_per_step(preset.ffn, num_layers, opts.tokens, mean_dropped),
+        flops_per_step=expert_flops_per_step(preset.ffn, num_layers, opts.tokens * world, mean_dropped),
         region_ms=region_ms,
         region_time_kind=region_kind,
         peak_memory_bytes=peak_mem,
@@ -548,10 +802,13 @@ def run_profile(opts: ProfileOptions) -> ProfileResult:
         param_bytes=sum(p.numel() * p.element_size() for p in stack.parameters()),
         counts_SLE=counts,
         dropped_SL=dropped,
-        balance_loss_SL=[[layer[2].item() for layer in step] for step in recorded],
-        z_loss_SL=[[layer[3].item() for layer in step] for step in recorded],
-        aux_loss_SL=[[layer[4].item() for layer in step] for step in recorded],
+        balance_loss_SL=losses_SL3[..., 0].tolist(),
+        z_loss_SL=losses_SL3[..., 1].tolist(),
+        aux_loss_SL=losses_SL3[..., 2].tolist(),
         trace_files=trace_files,
+        world_size=world,
+        exchange_ms=exchange_ms,
+        region_ms_by_rank=by_rank,
     )
 
 
@@ -560,7 +817,7 @@ def run_profile(opts: ProfileOptions) -> ProfileResult:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    tokens: int
+    tokens: int  # per rank
     step_seconds: float  # median of the timed steps
     tokens_per_s: float
     tflops: float
@@ -569,41 +826,50 @@ class SweepPoint:
 
 
 def run_sweep(opts: ProfileOptions, token_counts: Sequence[int]) -> tuple[list[SweepPoint], dict]:
-    """Timed steps (no tracing) for each token count on one stack; returns (points, gemm_peak)."""
+    """Timed steps (no tracing) for each token count on one stack; returns (points, gemm_peak).
+
+    With opts.ep = W > 1 every rank calls it; a point's tokens are per rank, its tokens/s and
+    load over all ranks (as in `run_profile`).
+    """
     from tqdm import tqdm
 
     for t in token_counts:
         _positive_int("sweep token count", t)
-    preset = resolve_preset(opts.config)
-    device = check_device(opts.device)
+    preset, device, rank, world = _setup(opts)
     num_layers = opts.layers or preset.num_layers
     stack = _build(opts, preset, device, num_layers)
-    gemm_peak = measure_gemm_peak(device, DTYPES[opts.dtype])
+    gemm_peak = _gemm_peak(device, DTYPES[opts.dtype], world)
     timer = _Timer(device)
     measured = []  # (T, median step seconds, FLOPs per step, load CV)
     bar = tqdm(total=len(token_counts) * (opts.steps + 1), desc=f"sweep {preset.name}", unit="step",
-               disable=not opts.progress, file=sys.stderr)
+               disable=not opts.progress or rank != 0, file=sys.stderr)
     for T in token_counts:
         o = replace(opts, tokens=T)
-        seconds, counts_SLE, dropped = [], [], []
+        seconds, counts, dropped = [], [], []
         for step in range(-1, opts.steps):
-            x_TD = _step_inputs(o, preset.ffn.dim, device, step)
+            x_TD = _step_inputs(o, preset.ffn.dim, device, step, rank=rank)
             timer.start()
             stats = _train_step(stack, x_TD)
             elapsed = timer.stop()
             bar.update()
             if step >= 0:
                 seconds.append(elapsed)
-                counts_SLE.append([s[0].tolist() for s in stats])
-                dropped.append(statistics.fmean(int(s[1].item()) for s in stats))
+                counts.append(torch.stack([s[0] for s in stats]).to(torch.int64))
+                dropped.append([int(s[1]) for s in stats])
+        counts_SLE = torch.stack(counts)
+        dropped_SL = torch.tensor(dropped, dtype=torch.int64)
+        if world > 1:
+            seconds = _all_reduce(torch.tensor(seconds, dtype=torch.float64), "max", device).tolist()
+            counts_SLE = _all_reduce(counts_SLE, "sum", device)
+            dropped_SL = _all_reduce(dropped_SL, "sum", device)
         step_s = statistics.median(seconds)
-        flops = expert_flops_per_step(preset.ffn, num_layers, T, statistics.fmean(dropped))
-        load_LE = torch.tensor(counts_SLE, dtype=torch.float64).mean(0)
+        flops = expert_flops_per_step(preset.ffn, num_layers, T * world, dropped_SL.double().mean().item())
+        load_LE = counts_SLE.cpu().double().mean(0)
         cv = statistics.fmean(load_stats(load_LE[l])[3] for l in range(num_layers))
         measured.append((T, step_s, flops, cv))
     bar.close()
-    gemm_peak = _better_peak(gemm_peak, measure_gemm_peak(device, DTYPES[opts.dtype]))
-    points = [SweepPoint(T, s, T / s, f / s / 1e12, f / s / gemm_peak["flops"], cv) for T, s, f, cv in measured]
+    gemm_peak = _better_peak(gemm_peak, _gemm_peak(device, DTYPES[opts.dtype], world))
+    points = [SweepPoint(T, s, T * world / s, f / s / 1e12, f / s / gemm_peak["flops"], cv) for T, s, f, cv in measured]
     return points, gemm_peak
 
 
@@ -613,8 +879,10 @@ def run_sweep(opts: ProfileOptions, token_counts: Sequence[int]) -> tuple[list[S
 def _describe(preset: Preset, num_layers: int, opts: ProfileOptions) -> str:
     c = preset.ffn
     shared = f", shared F={c.shared_width}" if c.num_shared_experts else ""
+    ep = (f" · expert-parallel over {opts.ep} ranks ({c.num_experts // opts.ep} experts each), "
+          f"T={opts.tokens} tokens/step per rank") if opts.ep > 1 else f" · T={opts.tokens} tokens/step"
     return (f"{preset.name}: {num_layers} × MoE(D={c.dim}, F={c.hidden_dim}, E={c.num_experts}, K={c.top_k}{shared}) "
-            f"· {opts.dtype} · {opts.device} · T={opts.tokens} tokens/step · routing={opts.routing_label} · seed {opts.seed}")
+            f"· {opts.dtype} · {opts.device}{ep} · routing={opts.routing_label} · seed {opts.seed}")
 
 
 def _mib(n: int | None) -> str:
@@ -625,28 +893,47 @@ def format_report(r: ProfileResult) -> str:
     """The printed table: throughput, time by region, memory, per-layer expert load."""
     o, c = r.options, r.preset.ffn
     peak = r.gemm_peak
+    W = r.world_size
+    ep = W > 1
     lines = [
         _describe(r.preset, r.num_layers, o),
         "",
-        f"throughput (median of {len(r.step_seconds)} timed forward+backward steps, profiler not recording)",
+        f"throughput (median of {len(r.step_seconds)} timed forward+backward steps, profiler not recording"
+        + (f"; a step's time is the slowest of the {W} ranks)" if ep else ")"),
         f"  step time        {r.step_time * 1e3:10.1f} ms   (fastest {min(r.step_seconds) * 1e3:.1f} ms)",
-        f"  tokens/s         {r.tokens_per_s:10.0f}",
-        f"  expert TFLOP/s   {r.tflops:10.4g}   (3 × 6·D·F per kept assignment, fwd+bwd)",
-        f"  GEMM peak        {peak['flops'] / 1e12:10.4g}   TFLOP/s ({peak['dtype']} {peak['size']}² x·Wᵀ, best of {peak['repeats']}, before and after)",
+        f"  tokens/s         {r.tokens_per_s:10.0f}" + (f"   (all ranks: {W} × {o.tokens} tokens per step)" if ep else ""),
+        f"  expert TFLOP/s   {r.tflops:10.4g}   (3 × 6·D·F per kept assignment, fwd+bwd"
+        + (", all ranks)" if ep else ")"),
+        f"  GEMM peak        {peak['flops'] / 1e12:10.4g}   TFLOP/s ({peak['dtype']} {peak['size']}² x·Wᵀ, best of {peak['repeats']}, before and after"
+        + (f"; sum of {W} ranks measuring at once)" if ep else ")"),
         f"  of GEMM peak     {100 * r.peak_fraction:10.1f} %",
-        f"  peak memory      {_mib(r.peak_memory_bytes):>10}   ({r.peak_memory_kind}; weights {_mib(r.param_bytes)})",
+        f"  peak memory      {_mib(r.peak_memory_bytes):>10}   ({r.peak_memory_kind}; weights "
+        f"{_mib(r.param_bytes)}{' on rank 0' if ep else ''})",
         "",
-        f"time by region ({o.trace_steps} traced steps, {r.region_time_kind} time, ms per step)",
+        f"time by region ({o.trace_steps} traced steps, {r.region_time_kind} time, ms per step"
+        + (f", mean over {W} ranks)" if ep else ")"),
         f"  {'region':<18}{'ms/step':>10}{'share':>9}",
     ]
     total = sum(r.region_ms.values()) or 1.0
     for name, ms in r.region_ms.items():
         lines.append(f"  {name:<18}{ms:10.2f}{100 * ms / total:8.1f}%")
-    N = o.tokens * c.top_k
+    if r.exchange_ms:
+        fwd, bwd = r.exchange_ms["forward"], r.exchange_ms["backward"]
+        lines.append(f"  all_to_all = {fwd:.2f} ms forward (taken out of experts, which is the local experts' "
+                     f"compute here) + {bwd:.2f} ms backward (taken out of backward); it includes waiting for the "
+                     "slowest rank")
+        if r.region_ms_by_rank:
+            per_rank = []
+            for rank, regions in enumerate(r.region_ms_by_rank):
+                share = 100 * regions.get("all_to_all", 0.0) / (sum(regions.values()) or 1.0)
+                per_rank.append(f"rank {rank} {regions.get('all_to_all', 0.0):.2f} ms ({share:.1f}%)")
+            lines.append("  all_to_all by rank: " + ", ".join(per_rank))
+    N = r.global_tokens * c.top_k
     lines += [
         "",
-        f"expert load per layer (tokens per expert averaged over {len(r.counts_SLE)} steps; T·K = {N}, "
-        f"uniform = {N / c.num_experts:g})",
+        f"expert load per layer (tokens per expert averaged over {len(r.counts_SLE)} steps; "
+        + (f"summed over {W} ranks, W·T·K = {N}" if ep else f"T·K = {N}")
+        + f", uniform = {N / c.num_experts:g})",
         f"  {'layer':>5}{'min':>9}{'mean':>9}{'max':>9}{'CV':>8}{'max/mean':>10}{'dropped':>9}"
         f"{'balance':>9}{'z_loss':>9}{'aux':>9}",
     ]
@@ -669,8 +956,10 @@ def format_paths(paths: dict[str, Path], logdir: str | Path) -> str:
 
 
 def format_sweep(points: Sequence[SweepPoint], gemm_peak: dict) -> str:
+    ranks = gemm_peak.get("ranks", 1)
+    ep = f"; {ranks} expert-parallel ranks: tokens per rank, tokens/s and load over all ranks" if ranks > 1 else ""
     lines = [
-        f"token sweep (median of timed steps; GEMM peak {gemm_peak['flops'] / 1e12:.4g} TFLOP/s {gemm_peak['dtype']})",
+        f"token sweep (median of timed steps; GEMM peak {gemm_peak['flops'] / 1e12:.4g} TFLOP/s {gemm_peak['dtype']}{ep})",
         f"  {'tokens':>8}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>10}{'of peak':>9}{'load CV':>9}",
     ]
     for p in points:
@@ -715,7 +1004,7 @@ def write_outputs(r: ProfileResult) -> dict[str, Path]:
                 )
         for s, seconds in enumerate(r.step_seconds):
             writer.add_scalar("time/step_ms", seconds * 1e3, s)
-            writer.add_scalar("throughput/tokens_per_s", r.options.tokens / seconds, s)
+            writer.add_scalar("throughput/tokens_per_s", r.global_tokens / seconds, s)
         writer.add_text("summary", "```\n" + format_report(r) + "\n```", 0)
     finally:
         writer.close()
@@ -755,6 +1044,9 @@ def _summary(r: ProfileResult) -> dict:
         "z_loss_SL": r.z_loss_SL,
         "aux_loss_SL": r.aux_loss_SL,
         "trace_files": [str(p) for p in r.trace_files],
+        "world_size": r.world_size,
+        "all_to_all_ms_per_step": r.exchange_ms,
+        "region_ms_per_step_by_rank": r.region_ms_by_rank,
     }
 
 
@@ -785,8 +1077,9 @@ def _plot_load_heatmap(r: ProfileResult, path: Path) -> Path:
                 ax.text(e, l, f"{load_LE[l, e]:.0f}", ha="center", va="center", fontsize=7,
                         color="black" if bright else "white")
     fig.colorbar(im, ax=ax, label="tokens per step")
-    ax.set_title(f"expert load ({r.preset.name}, {r.options.routing_label}, T·K = {r.options.tokens * r.preset.ffn.top_k})",
-                 fontsize=9)
+    ep = f", {r.world_size} ranks" if r.world_size > 1 else ""
+    ax.set_title(f"expert load ({r.preset.name}, {r.options.routing_label}{ep}, "
+                 f"{'W·' if ep else ''}T·K = {r.global_tokens * r.preset.ffn.top_k})", fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
