@@ -111,6 +111,15 @@ class MoEConfig:
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_hf(cls, source) -> "MoEConfig":
+        """The config of one sparse layer of a transformers MoE model (mixtral, qwen2_moe,
+        qwen3_moe, olmoe) from a config dict or object, a config.json, or a checkpoint
+        directory. See `moe_ffn.interop.moe_config_from_hf`."""
+        from moe_ffn.interop.hf_config import moe_config_from_hf  # interop imports this module
+
+        return moe_config_from_hf(source)
+
 
 # classic: act(x·W1ᵀ + b1)·W2ᵀ + b2 (FeedForward); gated: (act(x·W_gateᵀ) ⊙ x·W_upᵀ)·W_downᵀ (GatedFFN).
 DenseKind = Literal["classic", "gated"]

@@ -86,11 +86,20 @@ class TopKRouter(nn.Module):
         )
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
+        """x_TD: [T, D] → the routing of every token (logits, probabilities, top-k, weights)."""
         dtype = router_dtype(x_TD.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        return self.route(logits_TE)
+
+    def route(self, logits_TE: Tensor) -> RouterOutput:
+        """The selection rule alone: given logits [T, E] → top-k experts and their weights.
+
+        Public so that tools which perturb the logits (the profiler's --skew) reuse this rule
+        instead of copying it.
+        """
         K = self.top_k
-        bias_E = None if self.expert_bias is None else self.expert_bias.to(dtype)
+        bias_E = None if self.expert_bias is None else self.expert_bias.to(logits_TE.dtype)
 
         if self.routing == "topk_softmax":
             select_TE = logits_TE if bias_E is None else logits_TE + bias_E
