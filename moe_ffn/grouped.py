@@ -14,7 +14,8 @@ Two ops:
 - `grouped_ffn`: a whole expert FFN (first projection → activation (⊙ up) → down projection)
   in one op whose backward is written out too. It saves only the input rows and the first
   projection's output and recomputes the cheap activation in backward, so no [N, F]
-  activation tensor outlives the forward; each block's temporaries are freed before the next.
+  activation tensor outlives the forward; elementwise temporaries live for one group of
+  consecutive experts (about 4M elements) at a time.
 
 Both read only the weights of experts that received rows (decode touches k experts, not E),
 give experts without rows an exact zero gradient, and synchronise with the host once per call
@@ -103,15 +104,20 @@ def _rows_used(blocks: list[tuple[int, int, int]]) -> int:
     return blocks[-1][2] if blocks else 0
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_has_matrix_units(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_fp16_supported()
+
+
 def _lowp_is_slow(t: Tensor) -> bool:
     """True where a bf16/fp16 GEMM of `t` is much slower than an fp32 one (see NOTE above)."""
-    if t.device.type != "cpu":
-        return False
-    if t.dtype == torch.bfloat16:
-        return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    if t.dtype == torch.float16:
-        return not torch.cpu._is_amx_fp16_supported()
-    return False
+    return (
+        t.device.type == "cpu"
+        and t.dtype in (torch.bfloat16, torch.float16)
+        and not _cpu_has_matrix_units(t.dtype)
+    )
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
