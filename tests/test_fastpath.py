@@ -207,3 +207,31 @@ def test_op_count_probe_catches_a_token_loop():
     x = torch.randn(8, D)
     per_token = lambda n: [row * 2 for row in x[:n]]  # noqa: E731
     assert _op_count(lambda: per_token(8)) > _op_count(lambda: per_token(2))
+
+
+# --- the bf16 path on CPU (fp32 products, bf16 results) ---------------------------------------
+
+@pytest.mark.parametrize("tokens", [3, 160])  # native GEMMs for tiny blocks, fp32 products for large ones
+def test_bf16_output_and_gradients_match_float64_within_bf16_rounding(tokens):
+    torch.manual_seed(0)
+    # top-1 without renormalising: the combine weight is the router probability, so the
+    # router's gradient is not identically zero
+    cfg = dict(dim=D, hidden_dim=F, num_experts=2, top_k=1, norm_topk_prob=False)
+    ref = MoE(**cfg).double()
+    moe = MoE(**cfg).bfloat16()
+    moe.load_state_dict(ref.state_dict())
+    x64 = torch.randn(tokens, D, dtype=torch.float64, requires_grad=True)
+    x16 = x64.detach().bfloat16().requires_grad_()
+    g = torch.randn(tokens, D, dtype=torch.float64)
+    y16, y64 = moe(x16), ref(x16.detach().double().requires_grad_())
+    assert torch.equal(moe.stats.expert_ids_TK, ref.stats.expert_ids_TK)  # same routing
+    y16.backward(g.bfloat16())
+    y64.backward(g)
+
+    def close(got, want):  # bf16 keeps 8 bits: ~0.4% per rounding, a few roundings deep
+        scale = want.abs().max()
+        assert (got.double() - want).abs().max() <= 3e-2 * scale
+
+    close(y16, y64)
+    for name, p in moe.named_parameters():
+        close(p.grad, dict(ref.named_parameters())[name].grad)
