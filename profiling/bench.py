@@ -467,9 +467,64 @@ def table(result: dict) -> str:
         for r in result["dense_check"]:
             lines.append(f"| {r['dtype']} | {r['pass']} | {r['dim']} | {r['hidden_dim']} | {r['T']} | "
                          f"{r['swiglu_s'] * 1e3:.1f} | {r['nn_linear_s'] * 1e3:.1f} | {r['ratio']:.3f} |")
+    lines += ["", "Targets of issue 4 against this run:", "", targets(result)]
     if result["notes"]:
-        lines += ["", "Notes:", ""] + [f"- {n}" for n in sorted(set(result["notes"]))]
+        lines += ["Notes:", ""] + [f"- {n}" for n in sorted(set(result["notes"]))]
     return "\n".join(lines) + "\n"
+
+
+def targets(result: dict) -> str:
+    """The issue's targets checked against this run's medians, each with its numbers."""
+    rows = [r for r in result["rows"]]
+    moe = {(r["config"], r["dtype"], r["pass"], r["T"]): r for r in rows if r["impl"] == "moe_ffn"}
+    by = {(r["config"], r["dtype"], r["pass"], r["T"], r["impl"]): r for r in rows}
+    out = []
+
+    def verdict(ok, text):
+        out.append(f"- {'met' if ok else 'MISSED'}: {text}")
+
+    slower = [k for k, r in moe.items() if r["speedup_vs_hf"] is not None and r["speedup_vs_hf"] < 1]
+    verdict(not slower, "never slower than the faster transformers path"
+            + (f" (slower at {len(slower)} of {sum(r['speedup_vs_hf'] is not None for r in moe.values())} "
+               "cases: " + ", ".join(f"{' '.join(map(str, k))} ×{moe[k]['speedup_vs_hf']:.2f}" for k in slower) + ")"
+               if slower else ""))
+    for k, r in sorted(moe.items()):
+        config, dtype, pass_name, T = k
+        if pass_name != "fwd+bwd" or T > 256 or r["speedup_vs_hf"] is None:
+            continue
+        hf = [by[(config, dtype, pass_name, T, n)] for n in ("hf_eager", "hf_grouped_mm") if (config, dtype, pass_name, T, n) in by]
+        best_hf = min(hf, key=lambda x: x["median_s"])
+        room = best_hf["median_s"] / r["roofline_s"]  # how much faster the roofline allows
+        need = 2.0 if room >= 2.7 else 0.75 * room
+        verdict(r["speedup_vs_hf"] >= need,
+                f"{config} {dtype} fwd+bwd T={T}: ×{r['speedup_vs_hf']:.2f} over {best_hf['impl']} "
+                f"(target ×{need:.2f}; the roofline allows ×{room:.1f})")
+    for k, r in sorted(moe.items()):
+        config, dtype, pass_name, T = k
+        want = 0.7 if T >= 256 else 0.5
+        frac = r["frac_roofline"] if dtype == "fp32" else r["frac_best"]
+        verdict(frac >= want, f"{config} {dtype} {pass_name} T={T}: {frac:.2f} of the roofline"
+                + ("" if dtype == "fp32" else f" at the best GEMM rate ({r['frac_roofline']:.2f} at the bf16 rate)")
+                + f" (target {want})")
+    for k, r in sorted(moe.items()):
+        config, dtype, pass_name, T = k
+        if pass_name != "fwd+bwd" or T < 2048:
+            continue
+        dense = [by[(config, dtype, pass_name, T, n)] for n in ("dense", "dense_nn") if (config, dtype, pass_name, T, n) in by]
+        if dense:
+            best = min(dense, key=lambda x: x["median_s"])
+            ratio = r["median_s"] / best["median_s"]
+            verdict(ratio <= 1.10, f"{config} {dtype} fwd+bwd T={T}: {ratio:.2f}× the faster dense block ({best['impl']}) (target ≤ 1.10)")
+        mem = [by[(config, dtype, pass_name, T, n)] for n in ("dense", "dense_nn")
+               if (config, dtype, pass_name, T, n) in by and "peak_work_mib" in by[(config, dtype, pass_name, T, n)]]
+        if T == 2048 and mem and "peak_work_mib" in r:
+            lean = min(mem, key=lambda x: x["peak_work_mib"])
+            ratio = r["peak_work_mib"] / lean["peak_work_mib"]
+            verdict(ratio <= 1.25, f"{config} {dtype} T=2048 working memory {r['peak_work_mib']:.0f} MiB = "
+                    f"{ratio:.2f}× the leaner dense block ({lean['impl']}, {lean['peak_work_mib']:.0f} MiB) (target ≤ 1.25)")
+    for r in result.get("dense_check") or []:
+        verdict(r["ratio"] <= 1.05, f"dense block {r['dtype']} {r['pass']}: {r['ratio']:.3f}× the nn.Linear block (target ≤ 1.05)")
+    return "\n".join(out) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -524,7 +579,19 @@ def main(argv=None) -> None:
     p.add_argument("--no-dense-check", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-readme", action="store_true", help="do not update profiling/README.md")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-render the table, plot and README from a saved results JSON; runs nothing")
     args = p.parse_args(argv)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        md = table(result)
+        stem = args.from_json.stem
+        (args.from_json.parent / f"{stem}.md").write_text(md)
+        plot(result, args.from_json.parent / f"{stem}.png")
+        if not args.no_readme:
+            update_readme(md, HERE / "README.md")
+        print(md)
+        return
     if args.tokens is None:
         args.tokens = [t for t in TOKENS if t <= 2048] if args.quick else list(TOKENS)
     args.reps = args.reps or (5 if args.quick else 11)
