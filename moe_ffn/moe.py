@@ -11,6 +11,7 @@ The layer keeps the routing of its last forward in `self.stats` (no global lists
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 import torch
@@ -19,7 +20,7 @@ from torch.profiler import record_function
 
 from moe_ffn import dispatch
 from moe_ffn._checks import check_features
-from moe_ffn.config import MoEConfig
+from moe_ffn.config import AuxLossNormalization, MoEConfig
 from moe_ffn.dense import GatedFFN
 from moe_ffn.experts import GatedExperts
 from moe_ffn.losses import load_balancing_loss, router_z_loss, tokens_per_expert
@@ -33,6 +34,10 @@ class MoEStats:
     """What one forward of a MoE layer routed, and its auxiliary losses.
 
     Per-token fields cover every token; counts and losses leave masked (padding) tokens out.
+    The counts and losses are computed on first access, from the tensors kept here: a forward
+    whose stats nobody reads (inference, decode) does not pay for them. Reading them later
+    gives the same tensors, with the same autograd graph to the router, as computing them in
+    the forward would.
     """
 
     router_logits_TE: Tensor  # router precision (float32, or float64)
@@ -40,11 +45,31 @@ class MoEStats:
     expert_ids_TK: Tensor  # chosen experts
     weights_TK: Tensor  # combine weights
     mask_T: Tensor | None  # True for real tokens; None: all tokens are real
-    tokens_per_expert_E: Tensor  # routed assignments per expert (before capacity drops)
     num_dropped: Tensor  # assignments dropped by the capacity limit (0-dim int64)
-    balance_loss: Tensor  # load-balancing loss, normalised as configured
-    z_loss: Tensor  # router z-loss
-    aux_loss: Tensor  # aux_loss_coef·balance_loss + z_loss_coef·z_loss
+    num_experts: int  # E
+    aux_loss_normalization: AuxLossNormalization  # how balance_loss normalises f
+    aux_loss_coef: float  # weight of balance_loss in aux_loss
+    z_loss_coef: float  # weight of z_loss in aux_loss
+
+    @cached_property
+    def tokens_per_expert_E(self) -> Tensor:
+        """[E] int64: routed assignments per expert (before capacity drops)."""
+        return tokens_per_expert(self.expert_ids_TK, self.num_experts, self.mask_T)
+
+    @cached_property
+    def balance_loss(self) -> Tensor:
+        """Load-balancing loss, normalised as configured."""
+        return load_balancing_loss(self.router_probs_TE, self.expert_ids_TK, self.mask_T, self.aux_loss_normalization)
+
+    @cached_property
+    def z_loss(self) -> Tensor:
+        """Router z-loss."""
+        return router_z_loss(self.router_logits_TE, self.mask_T)
+
+    @cached_property
+    def aux_loss(self) -> Tensor:
+        """aux_loss_coef·balance_loss + z_loss_coef·z_loss."""
+        return self.aux_loss_coef * self.balance_loss + self.z_loss_coef * self.z_loss
 
 
 class MoE(nn.Module):
@@ -165,19 +190,17 @@ class MoE(nn.Module):
 
     def _stats(self, route, plan, mask_T: Tensor | None) -> MoEStats:
         cfg = self.config
-        balance = load_balancing_loss(route.probs_TE, route.expert_ids_TK, mask_T, cfg.aux_loss_normalization)
-        z = router_z_loss(route.logits_TE, mask_T)
         return MoEStats(
             router_logits_TE=route.logits_TE,
             router_probs_TE=route.probs_TE,
             expert_ids_TK=route.expert_ids_TK,
             weights_TK=route.weights_TK,
             mask_T=mask_T,
-            tokens_per_expert_E=tokens_per_expert(route.expert_ids_TK, cfg.num_experts, mask_T),
             num_dropped=plan.num_dropped,
-            balance_loss=balance,
-            z_loss=z,
-            aux_loss=cfg.aux_loss_coef * balance + cfg.z_loss_coef * z,
+            num_experts=cfg.num_experts,
+            aux_loss_normalization=cfg.aux_loss_normalization,
+            aux_loss_coef=cfg.aux_loss_coef,
+            z_loss_coef=cfg.z_loss_coef,
         )
 
     @torch.no_grad()
