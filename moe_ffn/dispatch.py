@@ -34,6 +34,13 @@ class DispatchPlan:
     tokens_per_expert_E: Tensor  # kept rows per expert, int64, in sorted order
     num_dropped: Tensor  # 0-dim int64: assignments over capacity
     top_k: int
+    inverse_TK: Tensor  # sorted position of assignment (t, k): order_N's inverse, made once per plan
+
+
+def _make_plan(order_N: Tensor, counts_E: Tensor, num_dropped: Tensor, top_k: int) -> DispatchPlan:
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return DispatchPlan(order_N, counts_E, num_dropped, top_k, inverse_N.view(-1, top_k))
 
 
 def _count(ids_N: Tensor, num_experts: int) -> Tensor:
@@ -60,11 +67,11 @@ def plan(
     ids_N = expert_ids_TK.reshape(-1)
     if num_experts == 1 and capacity is None:  # one expert (the dense case): nothing to sort
         order_N = torch.arange(ids_N.numel(), device=ids_N.device)
-        return DispatchPlan(order_N, order_N.new_full((1,), ids_N.numel()), order_N.new_zeros(()), K)
+        return _make_plan(order_N, order_N.new_full((1,), ids_N.numel()), order_N.new_zeros(()), K)
     if capacity is None:
         order_N = torch.argsort(ids_N, stable=True)
         counts_E = _count(ids_N, num_experts)
-        return DispatchPlan(order_N, counts_E, counts_E.new_zeros(()), K)
+        return _make_plan(order_N, counts_E, counts_E.new_zeros(()), K)
 
     if drop_policy == "probs":
         by_weight_N = torch.argsort(weights_TK.reshape(-1), descending=True, stable=True)
@@ -80,14 +87,7 @@ def plan(
     to_end_N = torch.argsort(torch.where(kept_N, sorted_ids_N, num_experts), stable=True)
     counts_E = routed_E.clamp(max=capacity)
     num_dropped = (~kept_N).sum()
-    return DispatchPlan(order_N[to_end_N], counts_E, num_dropped, K)
-
-
-def _inverse(order_N: Tensor) -> Tensor:
-    """sorted position of each flat assignment t·K + k (the inverse permutation of order_N)."""
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return inverse_N
+    return _make_plan(order_N[to_end_N], counts_E, num_dropped, K)
 
 
 def _sum_slots(y_ND: Tensor, inverse_TK: Tensor, weights_TK: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -111,15 +111,13 @@ class _Permute(torch.autograd.Function):
     """x_ND = x_TD[token of each sorted row]; backward sums each token's K row gradients."""
 
     @staticmethod
-    def forward(ctx, x_TD: Tensor, order_N: Tensor, top_k: int) -> Tensor:
-        ctx.top_k = top_k
-        ctx.save_for_backward(order_N)
-        return x_TD.index_select(0, order_N // top_k)
+    def forward(ctx, x_TD: Tensor, order_N: Tensor, inverse_TK: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_TK)
+        return x_TD.index_select(0, order_N // inverse_TK.shape[1])
 
     @staticmethod
     def backward(ctx, grad_ND: Tensor):
-        (order_N,) = ctx.saved_tensors
-        inverse_TK = _inverse(order_N).view(-1, ctx.top_k)
+        (inverse_TK,) = ctx.saved_tensors
         acc = torch.promote_types(grad_ND.dtype, torch.float32)
         return _sum_slots(grad_ND, inverse_TK, None, acc).to(grad_ND.dtype), None, None
 
@@ -128,8 +126,7 @@ class _Unpermute(torch.autograd.Function):
     """out_TD = Σ_k w[t, k]·y[row of (t, k)] in the weights' dtype, cast to out_dtype once."""
 
     @staticmethod
-    def forward(ctx, y_ND: Tensor, weights_TK: Tensor, order_N: Tensor, out_dtype: torch.dtype) -> Tensor:
-        inverse_TK = _inverse(order_N).view(weights_TK.shape)
+    def forward(ctx, y_ND: Tensor, weights_TK: Tensor, order_N: Tensor, inverse_TK: Tensor, out_dtype: torch.dtype) -> Tensor:
         ctx.save_for_backward(y_ND, weights_TK, order_N, inverse_TK)
         return _sum_slots(y_ND, inverse_TK, weights_TK, weights_TK.dtype).to(out_dtype)
 
@@ -150,12 +147,12 @@ class _Unpermute(torch.autograd.Function):
             grad_w = torch.stack(
                 [(y_ND.index_select(0, inverse_TK[:, k]).to(acc) * g_TD).sum(-1) for k in range(K)], dim=1
             ) if K else weights_TK.new_zeros(T, 0)
-        return grad_y, grad_w, None, None
+        return grad_y, grad_w, None, None, None
 
 
 def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
     """[T, D] → [N, D]: the token row of each assignment, in expert order."""
-    return _Permute.apply(x_TD, plan.order_N, plan.top_k)
+    return _Permute.apply(x_TD, plan.order_N, plan.inverse_TK)
 
 
 def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -164,4 +161,4 @@ def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: t
     NOTE: the weighted sum runs in the weights' dtype (float32 or float64) and is cast to
     `out_dtype` once at the end, so bf16 activations are not rounded per slot.
     """
-    return _Unpermute.apply(y_ND, weights_TK, plan.order_N, out_dtype)
+    return _Unpermute.apply(y_ND, weights_TK, plan.order_N, plan.inverse_TK, out_dtype)
