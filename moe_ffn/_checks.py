@@ -6,9 +6,11 @@ import torch
 from torch import Tensor
 
 
-def positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object, who: str = "") -> int:
+    """`value` if it is an int >= 1 (bools are not), else ValueError naming `who`.`name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        prefix = f"{who}: " if who else ""
+        raise ValueError(f"{prefix}{name} must be a positive int, got {value!r}")
     return value
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from moe_ffn._checks import positive_int
 from moe_ffn.activations import canonical_activation
 from moe_ffn.sizes import llama_intermediate_size
 
@@ -58,15 +59,11 @@ class MoEConfig:
         def fail(msg: str) -> None:
             raise ValueError(f"MoEConfig: {msg}")
 
-        def positive_int(name: str, value: object) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(f"{name} must be a positive int, got {value!r}")
-
-        positive_int("dim", self.dim)
-        positive_int("num_experts", self.num_experts)
+        positive_int("dim", self.dim, "MoEConfig")
+        positive_int("num_experts", self.num_experts, "MoEConfig")
         if self.hidden_dim is None:
             object.__setattr__(self, "hidden_dim", llama_intermediate_size(self.dim))
-        positive_int("hidden_dim", self.hidden_dim)
+        positive_int("hidden_dim", self.hidden_dim, "MoEConfig")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
             fail(f"top_k must be an int in [1, num_experts={self.num_experts}], got {self.top_k!r}")
         object.__setattr__(self, "activation", canonical_activation(self.activation))
@@ -90,7 +87,7 @@ class MoEConfig:
         if isinstance(self.num_shared_experts, bool) or not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             fail(f"num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
         if self.shared_hidden_dim is not None:
-            positive_int("shared_hidden_dim", self.shared_hidden_dim)
+            positive_int("shared_hidden_dim", self.shared_hidden_dim, "MoEConfig")
             if self.num_shared_experts == 0:
                 fail("shared_hidden_dim is set but num_shared_experts is 0")
         if self.shared_expert_gate and self.num_shared_experts == 0:
@@ -137,8 +134,7 @@ class DenseConfig:
     def __post_init__(self) -> None:
         if self.kind not in DenseKind.__args__:
             raise ValueError(f"DenseConfig: kind must be one of {list(DenseKind.__args__)}, got {self.kind!r}")
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
-            raise ValueError(f"DenseConfig: dim must be a positive int, got {self.dim!r}")
+        positive_int("dim", self.dim, "DenseConfig")
         classic = self.kind == "classic"
         if self.hidden_dim is None:
             object.__setattr__(self, "hidden_dim", 4 * self.dim if classic else llama_intermediate_size(self.dim))

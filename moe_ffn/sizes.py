@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from moe_ffn._checks import positive_int
+
 __all__ = ["llama_intermediate_size"]
 
 
@@ -15,9 +17,8 @@ def llama_intermediate_size(
     rounded **up** to a multiple of `multiple_of` for efficient matmuls.
     4096 → 11008, 5120 → 13824, (8192, multiple_of=4096, ffn_dim_multiplier=1.3) → 28672.
     """
-    for name, value in (("dim", dim), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    positive_int("dim", dim)
+    positive_int("multiple_of", multiple_of)
     hidden = (8 * dim) // 3
     if ffn_dim_multiplier is not None:
         if not ffn_dim_multiplier > 0:
