@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_checks import one_line_error
+
 from moe_ffn.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,12 +184,7 @@ def test_sweep_with_skew(tmp_path, capsys, tiny_run):
 
 
 def _bad(capsys, *argv: str) -> str:
-    code = main(["profile", *argv])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
+    return one_line_error(capsys, *argv)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

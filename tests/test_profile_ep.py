@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ffn.cli import main
+from cli_checks import one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
 W, T, K, E, LAYERS = 2, 64, 2, 8, 2  # tiny-moe: 8 experts, top-2, 2 layers
@@ -186,12 +186,7 @@ TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MAS
 
 
 def _bad(capsys, *argv: str) -> str:
-    code = main(["profile", "--config", "tiny-moe", "--no-progress", *argv])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
+    return one_line_error(capsys, "--config", "tiny-moe", "--no-progress", *argv)
 
 
 def test_ep_not_matching_the_processes(monkeypatch, capsys):
