@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_ffn import _memory
 from moe_ffn.activations import get_activation
 
 __all__ = ["grouped_linear", "grouped_ffn"]
@@ -180,7 +181,7 @@ def _grouped_linear_op(
         return y_NO.masked_fill(unassigned_N1, 0)
     cdt = _compute_dtype(x_NI)
     blocks = _row_blocks(counts_E, N)
-    y_NO = x_NI.new_empty(N, O)
+    y_NO = _memory.empty(x_NI, N, O)
     y_NO[_rows_used(blocks):].zero_()
     for e, start, stop in blocks:
         b = None if bias_EO is None else bias_EO[e]
@@ -199,7 +200,7 @@ def _grouped_linear_wgrad_op(
 ) -> tuple[Tensor, Tensor]:
     E, I, O = num_experts, x_NI.shape[1], grad_NO.shape[1]
     cdt = _compute_dtype(x_NI)
-    grad_w_EOI = x_NI.new_zeros(E, O, I)
+    grad_w_EOI = _memory.empty(x_NI, E, O, I).zero_()
     grad_b_EO = x_NI.new_zeros(E, O if with_bias else 0)
     for e, start, stop in _row_blocks(counts_E, x_NI.shape[0]):
         g, x = grad_NO[start:stop].to(cdt), x_NI[start:stop].to(cdt)
@@ -376,8 +377,8 @@ def _grouped_ffn_op(
     cdt = _compute_dtype(x_ND)
     blocks = _row_blocks(counts_E, N)
     used = _rows_used(blocks)
-    y_ND = x_ND.new_empty(N, D)
-    h_NH = x_ND.new_empty(N, H)  # the first projection's output, kept for backward
+    y_ND = _memory.empty(x_ND, N, D)
+    h_NH = _memory.empty(x_ND, N, H)  # the first projection's output, kept for backward
     y_ND[used:].zero_()
     h_NH[used:].zero_()
     for group in _groups(blocks, H):
@@ -419,11 +420,12 @@ def _grouped_ffn_backward_op(
     dtype, cdt = x_ND.dtype, _compute_dtype(x_ND)
     act = get_activation(activation)
     blocks = _row_blocks(counts_E, N)
-    grad_x_ND = x_ND.new_empty(N if need_x else 0, D)
+    grad_x_ND = _memory.empty(x_ND, N if need_x else 0, D)
     grad_x_ND[_rows_used(blocks):].zero_()
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    grad_w1 = x_ND.new_empty(shape_w(E, H, D))
-    grad_w2 = x_ND.new_empty(shape_w(E, D, F_))
+    # The weight gradients are the largest fresh buffers of a step: on huge pages (_memory.py).
+    grad_w1 = _memory.empty(x_ND, *shape_w(E, H, D))
+    grad_w2 = _memory.empty(x_ND, *shape_w(E, D, F_))
     grad_b1 = x_ND.new_empty(shape_w(E, H) if with_bias else (0, 0))
     grad_b2 = x_ND.new_empty(shape_w(E, D) if with_bias else (0, 0))
     if need_w:  # experts without rows: exact zeros, written once; the others are overwritten
