@@ -66,6 +66,6 @@ def advise_huge_pages(t: Tensor) -> Tensor:
     return t
 
 
-def empty(like: Tensor, *shape: int) -> Tensor:
-    """`like.new_empty(shape)`, on huge pages when large and on CPU (see the module doc)."""
-    return advise_huge_pages(like.new_empty(shape))
+def empty(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
+    """`like.new_empty(shape, dtype=dtype)`, on huge pages when large and on CPU (module doc)."""
+    return advise_huge_pages(like.new_empty(shape, dtype=dtype))

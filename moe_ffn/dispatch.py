@@ -35,12 +35,13 @@ class DispatchPlan:
     num_dropped: Tensor  # 0-dim int64: assignments over capacity
     top_k: int
     inverse_TK: Tensor  # sorted position of assignment (t, k): order_N's inverse, made once per plan
+    token_N: Tensor  # the token of each sorted row: order_N // top_k
 
 
 def _make_plan(order_N: Tensor, counts_E: Tensor, num_dropped: Tensor, top_k: int) -> DispatchPlan:
     inverse_N = torch.empty_like(order_N)
     inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return DispatchPlan(order_N, counts_E, num_dropped, top_k, inverse_N.view(-1, top_k))
+    return DispatchPlan(order_N, counts_E, num_dropped, top_k, inverse_N.view(-1, top_k), order_N // top_k)
 
 
 def _count(ids_N: Tensor, num_experts: int) -> Tensor:
@@ -111,9 +112,9 @@ class _Permute(torch.autograd.Function):
     """x_ND = x_TD[token of each sorted row]; backward sums each token's K row gradients."""
 
     @staticmethod
-    def forward(ctx, x_TD: Tensor, order_N: Tensor, inverse_TK: Tensor) -> Tensor:
+    def forward(ctx, x_TD: Tensor, token_N: Tensor, inverse_TK: Tensor) -> Tensor:
         ctx.save_for_backward(inverse_TK)
-        return x_TD.index_select(0, order_N // inverse_TK.shape[1])
+        return x_TD.index_select(0, token_N)
 
     @staticmethod
     def backward(ctx, grad_ND: Tensor):
@@ -152,7 +153,7 @@ class _Unpermute(torch.autograd.Function):
 
 def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
     """[T, D] → [N, D]: the token row of each assignment, in expert order."""
-    return _Permute.apply(x_TD, plan.order_N, plan.inverse_TK)
+    return _Permute.apply(x_TD, plan.token_N, plan.inverse_TK)
 
 
 def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: torch.dtype) -> Tensor:

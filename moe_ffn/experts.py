@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from moe_ffn._checks import positive_int
 from moe_ffn.activations import canonical_activation, get_activation
-from moe_ffn.grouped import grouped_ffn, grouped_linear
+from moe_ffn.dispatch import DispatchPlan
+from moe_ffn.grouped import grouped_ffn, grouped_linear, routed_ffn
 
 __all__ = ["GatedExperts", "MLPExperts"]
 
@@ -43,8 +44,34 @@ class _ExpertBank(nn.Module):
         self.activation = canonical_activation(activation, allowed_activations)
         self._act = get_activation(self.activation)
 
+    # Whether `routed` may fuse the dispatch into the experts' op on CPU. A bank whose forward
+    # does more than the grouped FFN (expert parallelism exchanges rows) sets this False.
+    fuses_dispatch = True
+
     def _projections(self) -> list[tuple[Tensor, Tensor | None]]:
         raise NotImplementedError  # each subclass lists its (weight, bias) pairs
+
+    def _first_and_second(self) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        (w1, b1), (w2, b2) = self._projections()
+        return w1, b1, w2, b2
+
+    def can_fuse_dispatch(self, x: Tensor) -> bool:
+        """True where `routed` runs as one op with the dispatch fused in (CPU)."""
+        return self.fuses_dispatch and not x.is_cuda
+
+    def routed(self, x_TD: Tensor, plan: DispatchPlan, weight_N: Tensor) -> Tensor:
+        """Σ over each token's kept assignments of weight·expert(x), in one op (CPU).
+
+        Args:
+            x_TD: [T, D] tokens; plan: their dispatch plan; weight_N: [N] combine weight of
+                each row of the plan's order (float32 or float64).
+        Returns: [T, D] in x's dtype. See `grouped.routed_ffn`: no [N, D] tensor is made.
+        """
+        w1, b1, w2, b2 = self._first_and_second()
+        return routed_ffn(
+            x_TD, w1, w2, plan.tokens_per_expert_E, plan.token_N, weight_N, b1, b2,
+            activation=self.activation, gated=isinstance(self, GatedExperts),
+        )
 
     def reset_parameters(self) -> None:
         """Each expert's projection is initialised as nn.Linear initialises its own:

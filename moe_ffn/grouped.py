@@ -44,7 +44,7 @@ from torch import Tensor
 from moe_ffn import _memory
 from moe_ffn.activations import get_activation
 
-__all__ = ["grouped_linear", "grouped_ffn"]
+__all__ = ["grouped_linear", "grouped_ffn", "routed_ffn"]
 
 # Forward blocks with at most this many rows use the native low-precision GEMM on CPU (see
 # the NOTE above): there the product is bandwidth-bound and upcasting the weight block costs
@@ -57,9 +57,13 @@ _NATIVE_LOWP_MAX_ROWS = 32
 # faster for 4–256 rows (x·Wᵀ and g·W layouts) and ties from ~1024 rows. Weight gradients
 # (gᵀ·x) stay on torch.mm, which is as fast or faster there.
 _ONEDNN_MAX_ROWS = 512
-# ... and at least this many multiply-adds: oneDNN always runs its two threads, and below
-# this size the thread hand-off costs more than it saves (badly so on a loaded machine).
+# ... and at least this many multiply-adds, or a weight of at least this many elements: oneDNN
+# always runs its two threads, and below these sizes the hand-off costs more than it saves
+# (badly so on a loaded machine). The weight-size rule is decode's: with 1–16 rows the product
+# is a read of the weight, and oneDNN reads a 7168×1024 fp32 block at ~19 GB/s against
+# ~10 GB/s for sgemm (measured 1.25 vs 2.7 ms for one row); below ~2^19 elements sgemm wins.
 _ONEDNN_MIN_MACS = 1 << 24
+_ONEDNN_MIN_WEIGHT = 1 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +84,7 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and 0 < x.shape[0] <= _ONEDNN_MAX_ROWS
-        and x.shape[0] * w.numel() >= _ONEDNN_MIN_MACS
+        and (w.numel() >= _ONEDNN_MIN_WEIGHT or x.shape[0] * w.numel() >= _ONEDNN_MIN_MACS)
         and _onednn_linear_available()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
@@ -362,6 +366,162 @@ def _hidden(h_nH: Tensor, activation: str, gated: bool, dtype: torch.dtype) -> T
     return _round(act(gate_nF) * up_nF, dtype)
 
 
+def _rows(src: Tensor, token_N: Optional[Tensor], first: int, last: int) -> Tensor:
+    """Rows first:last of the sorted order: src's own rows, or gathered from tokens."""
+    return src[first:last] if token_N is None else src.index_select(0, token_N[first:last])
+
+
+def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated):
+    """The forward of both FFN ops (see `grouped_ffn` and `routed_ffn`).
+
+    token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
+    token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
+    are gathered, computed, scaled by weight_N and added into an accumulator in weight_N's
+    dtype; returns (out_TD in weight_N's dtype, h_NH). No [N, D] tensor is made.
+    """
+    N = x.shape[0] if token_N is None else token_N.shape[0]
+    D, H = w2_EDF.shape[1], w1_EHD.shape[1]
+    cdt = _compute_dtype(x)
+    blocks = _row_blocks(counts_E, N)
+    h_NH = _memory.empty(x, N, H)  # the first projection's output, kept for backward
+    h_NH[_rows_used(blocks):].zero_()
+    if token_N is None:
+        out = _memory.empty(x, N, D)
+        out[_rows_used(blocks):].zero_()
+    else:
+        out = _memory.empty(weight_N, x.shape[0], D).zero_()
+    for group in _groups(blocks, H):
+        first, last = group[0][1], group[-1][2]
+        x_gD = _rows(x, token_N, first, last)
+        for e, start, stop in group:
+            b = None if b1_EH is None else b1_EH[e]
+            _linear_into(h_NH[start:stop], x_gD[start - first : stop - first], w1_EHD[e], b, cdt)
+        del x_gD
+        a_gF = _hidden(h_NH[first:last].to(cdt), activation, gated, x.dtype)
+        y_gD = out[first:last] if token_N is None else x.new_empty(last - first, D)
+        for e, start, stop in group:
+            b = None if b2_ED is None else b2_ED[e]
+            rows = slice(start - first, stop - first)
+            _linear_into(y_gD[rows], a_gF[rows], w2_EDF[e], b, cdt)
+        del a_gF
+        if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
+            y_gD = y_gD.to(weight_N.dtype).mul_(weight_N[first:last, None])
+            out.index_add_(0, token_N[first:last], y_gD)
+        del y_gD
+    return out, h_NH
+
+
+def _ffn_backward(
+    grad_out, x, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED,
+    activation, gated, need_x, need_w, with_bias, need_weight,
+):
+    """Gradients (x, w1, w2, b1, b2, weight_N) of `_ffn_forward`; the ones not needed are empty.
+
+    With weights, d weight_n = <y_n, g_t> is taken as <a_n, g_t·W2[e]> (+ <b2[e], g_t>), from
+    the down projection's input gradient before it is scaled by weight_n: no [N, D] output
+    has to be kept from the forward.
+    """
+    N, H = h_NH.shape
+    E, D, F_ = w1_EHD.shape[0], w2_EDF.shape[1], w2_EDF.shape[2]
+    dtype, cdt = x.dtype, _compute_dtype(x)
+    act = get_activation(activation)
+    blocks = _row_blocks(counts_E, N)
+    used = _rows_used(blocks)
+    routed = token_N is not None
+    if not need_x:
+        grad_x = x.new_empty(0, D)
+    elif routed:  # accumulated over each token's slots, in float32 at least
+        grad_x = _memory.empty(x, x.shape[0], D, dtype=torch.promote_types(dtype, torch.float32)).zero_()
+    else:
+        grad_x = _memory.empty(x, N, D)
+        grad_x[used:].zero_()
+    need_weight = need_weight and routed
+    grad_weight_N = weight_N.new_zeros(N if need_weight else 0) if routed else x.new_empty(0)
+    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
+    # The weight gradients are the largest fresh buffers of a step: on huge pages (_memory.py).
+    grad_w1 = _memory.empty(x, *shape_w(E, H, D))
+    grad_w2 = _memory.empty(x, *shape_w(E, D, F_))
+    grad_b1 = x.new_empty(shape_w(E, H) if with_bias else (0, 0))
+    grad_b2 = x.new_empty(shape_w(E, D) if with_bias else (0, 0))
+    if need_w:  # experts without rows: exact zeros, written once; the others are overwritten
+        active = {e for e, _, _ in blocks}
+        for e in range(E):
+            if e not in active:
+                for g in (grad_w1, grad_w2, grad_b1, grad_b2):
+                    if g.numel():
+                        g[e].zero_()
+    for group in _groups(blocks, H):
+        first, last = group[0][1], group[-1][2]
+        g_gD = _rows(grad_out, token_N, first, last).to(cdt)
+        h_gH = h_NH[first:last].to(cdt)
+        gate_gF, up_gF = h_gH.chunk(2, dim=-1) if gated else (h_gH, None)
+        act_gF = act(gate_gF)
+        a_gF = _round(act_gF * up_gF if gated else act_gF, dtype) if (need_w or need_weight) else None
+        da_gF = g_gD.new_empty(last - first, F_)
+        for e, start, stop in group:
+            rows = slice(start - first, stop - first)
+            da_gF[rows] = _linear(g_gD[rows], w2_EDF[e].to(cdt).t())
+        if routed:
+            w_g1 = weight_N[first:last, None].to(cdt)
+            if need_weight:
+                dweight_g = (a_gF * da_gF).sum(-1)
+                if with_bias:
+                    for e, start, stop in group:
+                        rows = slice(start - first, stop - first)
+                        dweight_g[rows] += g_gD[rows] @ b2_ED[e].to(cdt)
+                grad_weight_N[first:last] = dweight_g
+            da_gF.mul_(w_g1)
+            g_gD = _round(g_gD * w_g1, dtype)  # the gradient of the expert's output rows
+        if need_w:  # down projection's weight gradient, from the recomputed hidden rows
+            for e, start, stop in group:
+                rows = slice(start - first, stop - first)
+                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows])
+                if with_bias:
+                    grad_b2[e] = g_gD[rows].sum(0)
+        del a_gF, g_gD
+        da_gF = _round(da_gF, dtype)
+        if gated:
+            dh_gH = torch.empty_like(h_gH)
+            dh_gH[:, :F_] = _activation_grad(activation, da_gF * up_gF, gate_gF)
+            torch.mul(da_gF, act_gF, out=dh_gH[:, F_:])
+        else:
+            dh_gH = _activation_grad(activation, da_gF, h_gH)
+        dh_gH = _round(dh_gH, dtype)
+        del da_gF, h_gH, gate_gF, up_gF, act_gF
+        x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
+        dx_gD = dh_gH.new_empty(last - first, D) if (need_x and routed) else None
+        for e, start, stop in group:
+            rows = slice(start - first, stop - first)
+            dh_nH = dh_gH[rows]
+            if need_w:
+                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows])
+                if with_bias:
+                    grad_b1[e] = dh_nH.sum(0)
+            if need_x:
+                target = dx_gD[rows] if routed else grad_x[start:stop]
+                target[:] = _linear(dh_nH, w1_EHD[e].to(cdt).t())
+        if dx_gD is not None:
+            grad_x.index_add_(0, token_N[first:last], _round(dx_gD, dtype).to(grad_x.dtype))
+        del x_gD, dx_gD, dh_gH
+    if routed and need_x:
+        grad_x = grad_x.to(dtype)
+    return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N
+
+
+def _fake_grads(x, h_NH, w1_EHD, w2_EDF, token_N, need_x, need_w, with_bias, need_weight):
+    N, H = h_NH.shape
+    E, D, F_ = w1_EHD.shape[0], w2_EDF.shape[1], w2_EDF.shape[2]
+    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
+    rows_x = x.shape[0] if need_x else 0
+    return (
+        x.new_empty(rows_x, D),
+        x.new_empty(shape_w(E, H, D)),
+        x.new_empty(shape_w(E, D, F_)),
+        x.new_empty(shape_w(E, H) if with_bias else (0, 0)),
+        x.new_empty(shape_w(E, D) if with_bias else (0, 0)),
+    )
+
+
 @torch.library.custom_op("moe_ffn::grouped_ffn", mutates_args=())
 def _grouped_ffn_op(
     x_ND: Tensor,
@@ -373,25 +533,7 @@ def _grouped_ffn_op(
     activation: str,
     gated: bool,
 ) -> tuple[Tensor, Tensor]:
-    N, D, H = x_ND.shape[0], w2_EDF.shape[1], w1_EHD.shape[1]
-    cdt = _compute_dtype(x_ND)
-    blocks = _row_blocks(counts_E, N)
-    used = _rows_used(blocks)
-    y_ND = _memory.empty(x_ND, N, D)
-    h_NH = _memory.empty(x_ND, N, H)  # the first projection's output, kept for backward
-    y_ND[used:].zero_()
-    h_NH[used:].zero_()
-    for group in _groups(blocks, H):
-        first, last = group[0][1], group[-1][2]
-        for e, start, stop in group:
-            b = None if b1_EH is None else b1_EH[e]
-            _linear_into(h_NH[start:stop], x_ND[start:stop], w1_EHD[e], b, cdt)
-        a_gF = _hidden(h_NH[first:last].to(cdt), activation, gated, x_ND.dtype)
-        for e, start, stop in group:
-            b = None if b2_ED is None else b2_ED[e]
-            _linear_into(y_ND[start:stop], a_gF[start - first : stop - first], w2_EDF[e], b, cdt)
-        del a_gF
-    return y_ND, h_NH
+    return _ffn_forward(x_ND, w1_EHD, w2_EDF, counts_E, None, None, b1_EH, b2_ED, activation, gated)
 
 
 @_grouped_ffn_op.register_fake
@@ -415,77 +557,16 @@ def _grouped_ffn_backward_op(
     with_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (x, w1, w2, b1, b2) of `grouped_ffn`; the ones not needed come back empty."""
-    N, D = x_ND.shape
-    E, H, F_ = w1_EHD.shape[0], w1_EHD.shape[1], w2_EDF.shape[2]
-    dtype, cdt = x_ND.dtype, _compute_dtype(x_ND)
-    act = get_activation(activation)
-    blocks = _row_blocks(counts_E, N)
-    grad_x_ND = _memory.empty(x_ND, N if need_x else 0, D)
-    grad_x_ND[_rows_used(blocks):].zero_()
-    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    # The weight gradients are the largest fresh buffers of a step: on huge pages (_memory.py).
-    grad_w1 = _memory.empty(x_ND, *shape_w(E, H, D))
-    grad_w2 = _memory.empty(x_ND, *shape_w(E, D, F_))
-    grad_b1 = x_ND.new_empty(shape_w(E, H) if with_bias else (0, 0))
-    grad_b2 = x_ND.new_empty(shape_w(E, D) if with_bias else (0, 0))
-    if need_w:  # experts without rows: exact zeros, written once; the others are overwritten
-        active = {e for e, _, _ in blocks}
-        for e in range(E):
-            if e not in active:
-                for g in (grad_w1, grad_w2, grad_b1, grad_b2):
-                    if g.numel():
-                        g[e].zero_()
-    for group in _groups(blocks, H):
-        first, last = group[0][1], group[-1][2]
-        g_gD = grad_ND[first:last].to(cdt)
-        h_gH = h_NH[first:last].to(cdt)
-        gate_gF, up_gF = h_gH.chunk(2, dim=-1) if gated else (h_gH, None)
-        act_gF = act(gate_gF)
-        if need_w:  # down projection's weight gradient, from the recomputed hidden rows
-            a_gF = _round(act_gF * up_gF if gated else act_gF, dtype)
-            for e, start, stop in group:
-                rows = slice(start - first, stop - first)
-                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows])
-                if with_bias:
-                    grad_b2[e] = g_gD[rows].sum(0)
-            del a_gF
-        da_gF = g_gD.new_empty(last - first, F_)
-        for e, start, stop in group:
-            rows = slice(start - first, stop - first)
-            da_gF[rows] = _linear(g_gD[rows], w2_EDF[e].to(cdt).t())
-        da_gF = _round(da_gF, dtype)
-        del g_gD
-        if gated:
-            dh_gH = torch.empty_like(h_gH)
-            dh_gH[:, :F_] = _activation_grad(activation, da_gF * up_gF, gate_gF)
-            torch.mul(da_gF, act_gF, out=dh_gH[:, F_:])
-        else:
-            dh_gH = _activation_grad(activation, da_gF, h_gH)
-        dh_gH = _round(dh_gH, dtype)
-        del da_gF, h_gH, gate_gF, up_gF, act_gF
-        for e, start, stop in group:
-            dh_nH = dh_gH[start - first : stop - first]
-            if need_w:
-                _matmul_into(grad_w1[e], dh_nH.t(), x_ND[start:stop].to(cdt))
-                if with_bias:
-                    grad_b1[e] = dh_nH.sum(0)
-            if need_x:
-                grad_x_ND[start:stop] = _linear(dh_nH, w1_EHD[e].to(cdt).t())
-    return grad_x_ND, grad_w1, grad_w2, grad_b1, grad_b2
+    grads = _ffn_backward(
+        grad_ND, x_ND, h_NH, w1_EHD, w2_EDF, counts_E, None, None, None,
+        activation, gated, need_x, need_w, with_bias, False,
+    )
+    return grads[:5]
 
 
 @_grouped_ffn_backward_op.register_fake
 def _(grad_ND, x_ND, h_NH, w1_EHD, w2_EDF, counts_E, activation, gated, need_x, need_w, with_bias):
-    N, D = x_ND.shape
-    E, H, F_ = w1_EHD.shape[0], w1_EHD.shape[1], w2_EDF.shape[2]
-    shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    return (
-        x_ND.new_empty(N if need_x else 0, D),
-        x_ND.new_empty(shape_w(E, H, D)),
-        x_ND.new_empty(shape_w(E, D, F_)),
-        x_ND.new_empty(shape_w(E, H) if with_bias else (0, 0)),
-        x_ND.new_empty(shape_w(E, D) if with_bias else (0, 0)),
-    )
+    return _fake_grads(x_ND, h_NH, w1_EHD, w2_EDF, None, need_x, need_w, with_bias, False)
 
 
 def _ffn_setup_context(ctx, inputs, output):
@@ -497,7 +578,7 @@ def _ffn_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(h_NH)
 
 
-def _ffn_backward(ctx, grad_ND, _grad_h):
+def _ffn_backward_autograd(ctx, grad_ND, _grad_h):
     x_ND, h_NH, w1_EHD, w2_EDF, counts_E = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_x = need[0]
@@ -517,7 +598,95 @@ def _ffn_backward(ctx, grad_ND, _grad_h):
     return gx, gw1, gw2, None, gb1, gb2, None, None
 
 
-_grouped_ffn_op.register_autograd(_ffn_backward, setup_context=_ffn_setup_context)
+_grouped_ffn_op.register_autograd(_ffn_backward_autograd, setup_context=_ffn_setup_context)
+
+
+@torch.library.custom_op("moe_ffn::routed_ffn", mutates_args=())
+def _routed_ffn_op(
+    x_TD: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Tensor,
+    token_N: Tensor,
+    weight_N: Tensor,
+    b1_EH: Optional[Tensor],
+    b2_ED: Optional[Tensor],
+    activation: str,
+    gated: bool,
+) -> tuple[Tensor, Tensor]:
+    return _ffn_forward(x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated)
+
+
+@_routed_ffn_op.register_fake
+def _(x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated):
+    return weight_N.new_empty(x_TD.shape), x_TD.new_empty(token_N.shape[0], w1_EHD.shape[1])
+
+
+@torch.library.custom_op("moe_ffn::routed_ffn_backward", mutates_args=())
+def _routed_ffn_backward_op(
+    grad_TD: Tensor,
+    x_TD: Tensor,
+    h_NH: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Tensor,
+    token_N: Tensor,
+    weight_N: Tensor,
+    b2_ED: Optional[Tensor],
+    activation: str,
+    gated: bool,
+    need_x: bool,
+    need_w: bool,
+    need_weight: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (x, w1, w2, b1, b2, weight) of `routed_ffn`; the ones not needed come back empty."""
+    return _ffn_backward(
+        grad_TD, x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED,
+        activation, gated, need_x, need_w, b2_ED is not None, need_weight,
+    )
+
+
+@_routed_ffn_backward_op.register_fake
+def _(grad_TD, x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED, activation, gated, need_x, need_w, need_weight):
+    grads = _fake_grads(x_TD, h_NH, w1_EHD, w2_EDF, token_N, need_x, need_w, b2_ED is not None, need_weight)
+    return (*grads, weight_N.new_empty(token_N.shape[0] if need_weight else 0))
+
+
+def _routed_setup_context(ctx, inputs, output):
+    x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated = inputs
+    _, h_NH = output
+    ctx.save_for_backward(x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED)
+    ctx.activation, ctx.gated = activation, gated
+    ctx.mark_non_differentiable(h_NH)
+
+
+def _routed_backward_autograd(ctx, grad_TD, _grad_h):
+    x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED = ctx.saved_tensors
+    with_bias = b2_ED is not None
+    need = ctx.needs_input_grad
+    need_x, need_weight = need[0], need[5]
+    need_w = need[1] or need[2] or (with_bias and (need[6] or need[7]))
+    if not (need_x or need_w or need_weight):
+        return (None,) * 10
+    gx, gw1, gw2, gb1, gb2, gweight = _routed_ffn_backward_op(
+        grad_TD.contiguous(), x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED,
+        ctx.activation, ctx.gated, need_x, need_w, need_weight,
+    )
+    bias_grads = (gb1, gb2) if with_bias and need_w else (None, None)
+    return (
+        gx if need_x else None,
+        gw1 if need_w else None,
+        gw2 if need_w else None,
+        None,
+        None,
+        gweight if need_weight else None,
+        *bias_grads,
+        None,
+        None,
+    )
+
+
+_routed_ffn_op.register_autograd(_routed_backward_autograd, setup_context=_routed_setup_context)
 
 
 def grouped_ffn(
@@ -552,3 +721,50 @@ def grouped_ffn(
     _check_dtypes(x_ND, w1_EHD)
     y_ND, _ = _grouped_ffn_op(x_ND, w1_EHD, w2_EDF, counts_E, b1_EH, b2_ED, activation, gated)
     return y_ND
+
+
+def routed_ffn(
+    x_TD: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    counts_E: Tensor,
+    token_N: Tensor,
+    weight_N: Tensor,
+    b1_EH: Tensor | None = None,
+    b2_ED: Tensor | None = None,
+    *,
+    activation: str,
+    gated: bool,
+) -> Tensor:
+    """The experts of a MoE layer with its dispatch fused in: out[t] = Σ_n weight_n·FFN_e(n)(x[t]).
+
+    Row n of the expert order belongs to token `token_N[n]` and to the expert whose block
+    (`counts_E`) holds it; each group of rows is gathered from x, run through its experts'
+    FFNs (as `grouped_ffn`) and added, scaled by `weight_N[n]`, into an accumulator in
+    weight_N's dtype; the sum is cast to x's dtype once. Rows past `counts_E.sum()` (dropped
+    by a capacity limit) contribute nothing. Against permute → grouped_ffn → weighted sum, no
+    [N, D] tensor exists at any time, forward or backward (N = T·k rows would be k copies of
+    the tokens): the backward gathers each group's rows again and takes the routing weights'
+    gradient from the down projection's input gradient.
+
+    Args:
+        x_TD: [T, D] tokens.
+        w1_EHD, w2_EDF, b1_EH, b2_ED, activation, gated: as in `grouped_ffn`.
+        counts_E: [E] int rows per expert, in expert order.
+        token_N: [N] int64, the token of each row of the expert order.
+        weight_N: [N] floating, the combine weight of each row (float32 or float64).
+    Returns:
+        [T, D] in x's dtype (under autocast too: the experts run in the autocast dtype).
+    """
+    if (b1_EH is None) != (b2_ED is None):
+        raise ValueError("routed_ffn takes both biases or neither")
+    if token_N.shape != weight_N.shape or token_N.dim() != 1:
+        raise ValueError(
+            f"token_N and weight_N must be 1-D of the same length, got {tuple(token_N.shape)} "
+            f"and {tuple(weight_N.shape)}"
+        )
+    out_dtype = x_TD.dtype
+    x_TD, w1_EHD, w2_EDF, b1_EH, b2_ED = _autocast_inputs(x_TD, w1_EHD, w2_EDF, b1_EH, b2_ED)
+    _check_dtypes(x_TD, w1_EHD)
+    out_TD, _ = _routed_ffn_op(x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated)
+    return out_TD.to(out_dtype)

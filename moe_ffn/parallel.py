@@ -128,6 +128,8 @@ class ExpertParallelExperts(GatedExperts):
         global_num_dropped: capacity drops summed over all ranks in the last forward (int).
     """
 
+    fuses_dispatch = False  # rows travel to their experts' ranks between permute and unpermute
+
     def __init__(self, experts: GatedExperts, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
         nn.Module.__init__(self)
         E = experts.num_experts

@@ -109,8 +109,10 @@ DEFAULT_PRESET = Preset(
     description="Mixtral-shaped MoE (F = 3.5·D, E = 8, top-2) at D = 256: the `moe-ffn profile` default.",
 )
 
-# Regions the MoE forward labels with record_function, in pipeline order; `all_to_all` only
-# appears with expert parallelism.
+# Regions the MoE forward labels with record_function, in pipeline order. On CPU the dispatch
+# is fused into the experts' op (grouped.routed_ffn): "permute" is the routing plan alone and
+# the gather and weighted sum count under "experts", so "unpermute" appears only on the
+# unfused paths (CUDA, expert parallelism); `all_to_all` only with expert parallelism.
 REGIONS = ("router", "permute", "experts", "unpermute", "shared_experts", "all_to_all")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

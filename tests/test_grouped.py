@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_ffn.grouped import grouped_ffn, grouped_linear
+from moe_ffn.grouped import grouped_ffn, grouped_linear, routed_ffn
 from reference import act
 
 f64 = dict(dtype=torch.float64)
@@ -58,3 +58,72 @@ def test_grouped_ffn_matches_loop(activation, gated):
     g = torch.randn_like(y)
     for a, r in zip(torch.autograd.grad((y * g).sum(), [x, w1, w2]), torch.autograd.grad((ref * g).sum(), [x, w1, w2])):
         torch.testing.assert_close(a, r, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation, gated", [("silu", True), ("gelu", False)])
+def test_routed_ffn_matches_per_token_loop(activation, gated, bias):
+    """routed_ffn (gather → experts → weighted sum, fused) against a loop over tokens and slots:
+    the output and the gradients of x, every weight and bias, and the combine weights."""
+    torch.manual_seed(3)
+    T, D, F, E = 6, 5, 4, 4
+    H = 2 * F if gated else F
+    # rows in expert order: expert 0 ← tokens 1, 4; expert 1 none; expert 2 ← 0, 1, 5;
+    # expert 3 ← 2; the last two rows (tokens 3 and 0) were dropped by a capacity limit.
+    counts = torch.tensor([2, 0, 3, 1])
+    token = torch.tensor([1, 4, 0, 1, 5, 2, 3, 0])
+    x = torch.randn(T, D, **f64, requires_grad=True)
+    w1 = torch.randn(E, H, D, **f64, requires_grad=True)
+    w2 = torch.randn(E, D, F, **f64, requires_grad=True)
+    b1 = torch.randn(E, H, **f64, requires_grad=True) if bias else None
+    b2 = torch.randn(E, D, **f64, requires_grad=True) if bias else None
+    weight = torch.rand(token.numel(), **f64, requires_grad=True)
+    out = routed_ffn(x, w1, w2, counts, token, weight, b1, b2, activation=activation, gated=gated)
+
+    expert_of_row = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
+    ref_rows = [x.new_zeros(D) for _ in range(T)]
+    for n, e in enumerate(expert_of_row):  # kept rows only; dropped rows add nothing
+        t = int(token[n])
+        h = w1[e] @ x[t] + (b1[e] if bias else 0)
+        a = act(activation, h[:F]) * h[F:] if gated else act(activation, h)
+        ref_rows[t] = ref_rows[t] + weight[n] * (w2[e] @ a + (b2[e] if bias else 0))
+    ref = torch.stack(ref_rows)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+    g = torch.randn_like(out)
+    inputs = [x, w1, w2, weight] + ([b1, b2] if bias else [])
+    got = torch.autograd.grad((out * g).sum(), inputs)
+    want = torch.autograd.grad((ref * g).sum(), inputs, allow_unused=True)
+    for name, a, r in zip(["x", "w1", "w2", "weight", "b1", "b2"], got, want):
+        r = torch.zeros_like(a) if r is None else r
+        torch.testing.assert_close(a, r, atol=1e-12, rtol=0, msg=name)
+    assert (got[1][1] == 0).all() and (got[2][1] == 0).all()  # expert 1 has no rows
+    assert (got[3][-2:] == 0).all()  # dropped rows: no output, no weight gradient
+
+
+def test_routed_ffn_only_some_gradients():
+    """A frozen router (weights without grad) and frozen experts still give the others."""
+    T, D, F, E = 4, 3, 2, 2
+    counts, token = torch.tensor([3, 2]), torch.tensor([0, 1, 3, 2, 3])
+    x = torch.randn(T, D, **f64, requires_grad=True)
+    w1, w2 = torch.randn(E, 2 * F, D, **f64), torch.randn(E, D, F, **f64)
+    weight = torch.rand(5, **f64)
+    out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+    (gx,) = torch.autograd.grad(out.sum(), [x])
+    x2 = x.detach()
+    w1.requires_grad_()
+    out2 = routed_ffn(x2, w1, w2, counts, token, weight, activation="silu", gated=True)
+    (gw1,) = torch.autograd.grad(out2.sum(), [w1])
+    ref = sum(
+        weight[n] * (w2[e] @ (torch.nn.functional.silu(w1[e, :F] @ x[t]) * (w1[e, F:] @ x[t])))
+        for n, (e, t) in enumerate(zip([0, 0, 0, 1, 1], token.tolist()))
+    )
+    want_x, want_w1 = torch.autograd.grad(ref.sum(), [x, w1])
+    torch.testing.assert_close(gx, want_x, atol=1e-12, rtol=0)
+    torch.testing.assert_close(gw1, want_w1, atol=1e-12, rtol=0)
+
+
+def test_routed_ffn_rejects_mismatched_rows():
+    x, w1, w2 = torch.randn(2, 3), torch.randn(1, 4, 3), torch.randn(1, 3, 2)
+    with pytest.raises(ValueError, match=r"token_N and weight_N .* got \(2,\) and \(3,\)"):
+        routed_ffn(x, w1, w2, torch.tensor([2]), torch.tensor([0, 1]), torch.rand(3), activation="silu", gated=True)

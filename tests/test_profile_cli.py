@@ -54,7 +54,7 @@ def test_table_has_the_columns(tiny_run):
     out = tiny_run[0].stdout
     for label in ("tokens/s", "expert TFLOP/s", "GEMM peak", "of GEMM peak", "peak memory", "time by region"):
         assert label in out, label
-    for region in ("router", "permute", "experts", "unpermute", "backward"):
+    for region in ("router", "permute", "experts", "backward"):  # CPU: unpermute fused into experts
         assert f"\n  {region} " in out, region
     header = next(line for line in out.splitlines() if line.strip().startswith("layer"))
     assert header.split() == ["layer", "min", "mean", "max", "CV", "max/mean", "dropped", "balance", "z_loss", "aux"]
@@ -133,13 +133,13 @@ def test_traces_load_in_torch_tb_profiler(tiny_run):
     # The operator view aggregates aten/custom ops (it leaves record_function ranges out);
     # the trace view serves the trace file, where the MoE regions are user annotations.
     ops = {row["name"] for row in profile.operation_table_by_name["data"]}
-    # the experts' op: grouped_ffn on CPU (the fused fast path), grouped_linear on CUDA
+    # the experts' op: routed_ffn on CPU (the fused fast path), grouped_linear on CUDA
     assert {"aten::mm", "aten::argsort"} <= ops
-    assert {"moe_ffn::grouped_ffn", "moe_ffn::grouped_linear"} & ops
+    assert {"moe_ffn::routed_ffn", "moe_ffn::grouped_linear"} & ops
     with open(profile.trace_file_path) as f:
         events = json.load(f)["traceEvents"]
     annotations = {e["name"] for e in events if e.get("cat") == "user_annotation"}
-    assert {"router", "permute", "experts", "unpermute", "forward", "backward"} <= annotations
+    assert {"router", "permute", "experts", "forward", "backward"} <= annotations
 
 
 def test_pngs_are_images(tiny_run):
