@@ -205,7 +205,7 @@ def _grouped_linear_wgrad_op(
 ) -> tuple[Tensor, Tensor]:
     E, I, O = num_experts, x_NI.shape[1], grad_NO.shape[1]
     cdt = _compute_dtype(x_NI)
-    grad_w_EOI = _memory.empty(x_NI, E, O, I).zero_()
+    grad_w_EOI = _memory.zeros(x_NI, E, O, I)
     grad_b_EO = x_NI.new_zeros(E, O if with_bias else 0)
     for e, start, stop in _row_blocks(counts_E, x_NI.shape[0]):
         g, x = grad_NO[start:stop].to(cdt), x_NI[start:stop].to(cdt)
@@ -442,18 +442,12 @@ def _ffn_backward(
     need_weight = need_weight and routed
     grad_weight_N = weight_N.new_zeros(N if need_weight else 0) if routed else x.new_empty(0)
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    # The weight gradients are the largest fresh buffers of a step: on huge pages (_memory.py).
-    grad_w1 = _memory.empty(x, *shape_w(E, H, D))
-    grad_w2 = _memory.empty(x, *shape_w(E, D, F_))
-    grad_b1 = x.new_empty(shape_w(E, H) if with_bias else (0, 0))
-    grad_b2 = x.new_empty(shape_w(E, D) if with_bias else (0, 0))
-    if need_w:  # experts without rows: exact zeros, written once; the others are overwritten
-        active = {e for e, _, _ in blocks}
-        for e in range(E):
-            if e not in active:
-                for g in (grad_w1, grad_w2, grad_b1, grad_b2):
-                    if g.numel():
-                        g[e].zero_()
+    # The weight gradients are the largest fresh buffers of a step. Experts without rows get
+    # exact zeros; `_memory.zeros` gives them without writing (or faulting in) their pages.
+    grad_w1 = _memory.zeros(x, *shape_w(E, H, D))
+    grad_w2 = _memory.zeros(x, *shape_w(E, D, F_))
+    grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
+    grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
     for group in _groups(blocks, H):
         first, last = group[0][1], group[-1][2]
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)

@@ -57,3 +57,57 @@ def test_small_buffers_are_left_alone(monkeypatch):
     _memory.empty(torch.empty(0), 4 << 20)
     (start, length, advice), = calls
     assert start % (2 << 20) == 0 and length % (2 << 20) == 0 and advice == 14
+
+
+def _rss_kib_at(address: int) -> int:
+    """Rss (resident KiB) of the mapping holding `address`, from /proc/self/smaps."""
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            current = int(head.group(1), 16) <= address < int(head.group(2), 16)
+        elif current and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_reads_as_zeros_and_owns_its_memory():
+    t = _memory.zeros(torch.empty(0), 3, 1 << 20)  # 12 MiB: the mapped path
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.abs().sum() == 0
+    t[1].fill_(2.0)
+    view = t[1, :5]
+    del t  # the view keeps the mapping alive
+    assert view.tolist() == [2.0] * 5
+    small = _memory.zeros(torch.empty(0, dtype=torch.bfloat16), 10)
+    assert small.dtype == torch.bfloat16 and small.abs().sum() == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_idle_experts_gradients_are_exact_zeros_never_written():
+    """One token, top-1 of 32 experts, float64 (16 and 8 MiB weight gradients): the gradients
+    equal the per-token float64 loop's, the 31 idle experts' are exact zeros, and the pages of
+    those zeros were never touched (the mapping's resident size stays near one expert's)."""
+    from moe_ffn import MoE
+    from reference import moe_forward
+
+    torch.manual_seed(0)
+    moe = MoE(dim=256, hidden_dim=128, num_experts=32, top_k=1).double()
+    x = torch.randn(1, 256, dtype=torch.float64)
+    g = torch.randn(1, 256, dtype=torch.float64)
+    moe(x).backward(g)
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    ref_gate_up, ref_down = (p.detach().clone().requires_grad_() for p in (gate_up, down))
+    ref = moe_forward(x, moe.router.weight.detach(), ref_gate_up, ref_down, 1)
+    ref.backward(g)
+    torch.testing.assert_close(gate_up.grad, ref_gate_up.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(down.grad, ref_down.grad, atol=1e-12, rtol=0)
+    (active,) = moe.stats.expert_ids_TK[0].tolist()
+    idle = [e for e in range(32) if e != active]
+    assert (gate_up.grad[idle] == 0).all() and (down.grad[idle] == 0).all()
+    for grad in (gate_up.grad, down.grad):
+        resident = _rss_kib_at(grad.data_ptr()) * 1024
+        one_expert = grad[0].numel() * grad.element_size()
+        # the active expert's slice, rounded out to whole (huge) pages; the reads above of the
+        # idle experts map the kernel's shared zero page, which is not counted as resident
+        assert resident <= one_expert + 2 * (2 << 20), (resident, grad.numel() * grad.element_size())
