@@ -710,7 +710,12 @@ class _RoutedFFNEager(torch.autograd.Function):
 
 
 def _call(op, eager: type[torch.autograd.Function], *inputs):
-    return op(*inputs) if torch.compiler.is_compiling() else eager.apply(*inputs)
+    if torch.compiler.is_compiling():
+        return op(*inputs)
+    if torch.autograd.profiler._is_profiler_enabled:  # traces show the op's name either way
+        with torch.profiler.record_function(op._qualname):
+            return eager.apply(*inputs)
+    return eager.apply(*inputs)
 
 
 def grouped_ffn(

@@ -133,12 +133,13 @@ def test_traces_load_in_torch_tb_profiler(tiny_run):
     # The operator view aggregates aten/custom ops (it leaves record_function ranges out);
     # the trace view serves the trace file, where the MoE regions are user annotations.
     ops = {row["name"] for row in profile.operation_table_by_name["data"]}
-    # the experts' op: routed_ffn on CPU (the fused fast path), grouped_linear on CUDA
     assert {"aten::mm", "aten::argsort"} <= ops
-    assert {"moe_ffn::routed_ffn", "moe_ffn::grouped_linear"} & ops
     with open(profile.trace_file_path) as f:
         events = json.load(f)["traceEvents"]
     annotations = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    # the experts' op: routed_ffn on CPU (the fused fast path; eager calls label it, see
+    # grouped._call), grouped_linear on CUDA
+    assert "moe_ffn::routed_ffn" in annotations or "moe_ffn::grouped_linear" in ops
     assert {"router", "permute", "experts", "forward", "backward"} <= annotations
 
 
