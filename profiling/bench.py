@@ -271,7 +271,13 @@ def active_cost(shape: Shape, T: int, active_experts: int, itemsize: int, backwa
 
 
 def run_case(impls, names, x, grad, backward, reps_max, budget_s):
-    """Warm up each implementation, then time them round-robin. Returns {name: [seconds]}."""
+    """Warm up each implementation, then time them round-robin. Returns {name: [seconds]}.
+
+    Each implementation gets its own number of rounds, budget_s / its warm-up time, between
+    3 and reps_max (1 for a call longer than 3·budget_s): a slow implementation no longer cuts
+    the fast ones to one noisy run. Round r runs, in turn, every implementation that still
+    has rounds left, so load from other processes hits them alike.
+    """
     times = {}
     warm = {}
     for name in names:
@@ -279,14 +285,14 @@ def run_case(impls, names, x, grad, backward, reps_max, budget_s):
         t0 = time.perf_counter()
         _step(module, fn, x, grad, backward)
         warm[name] = time.perf_counter() - t0
-    slowest = max(warm.values())
-    reps = max(1, min(reps_max, int(budget_s / max(slowest, 1e-6))))
-    if slowest > 3 * budget_s:
-        reps = 1
-    for name in names:
+    reps = {}
+    for name, w in warm.items():
+        reps[name] = 1 if w > 3 * budget_s else max(3, min(reps_max, int(budget_s / max(w, 1e-6))))
         times[name] = []
-    for _ in range(reps):
+    for r in range(max(reps.values())):
         for name in names:
+            if r >= reps[name]:
+                continue
             module, fn = impls[name]
             t0 = time.perf_counter()
             _step(module, fn, x, grad, backward)
