@@ -706,21 +706,25 @@ _routed_ffn_op.register_autograd(_routed_backward_autograd, setup_context=_route
 # tenth of a whole decode step of a small MoE. These Functions run the same forward, and the
 # same backward (through the backward ops), as the registrations above; torch.compile, which
 # needs the ops, still gets them (`_call`).
+# (forward takes ctx itself: with a separate setup_context, Function.apply runs
+# inspect.signature on every call.)
 class _GroupedFFNEager(torch.autograd.Function):
     @staticmethod
-    def forward(*inputs):
-        return _ffn_forward(*inputs[:4], None, None, *inputs[4:])
+    def forward(ctx, *inputs):
+        outputs = _ffn_forward(*inputs[:4], None, None, *inputs[4:])
+        _ffn_setup_context(ctx, inputs, outputs)
+        return outputs
 
-    setup_context = staticmethod(_ffn_setup_context)
     backward = staticmethod(_ffn_backward_autograd)
 
 
 class _RoutedFFNEager(torch.autograd.Function):
     @staticmethod
-    def forward(*inputs):
-        return _ffn_forward(*inputs)
+    def forward(ctx, *inputs):
+        outputs = _ffn_forward(*inputs)
+        _routed_setup_context(ctx, inputs, outputs)
+        return outputs
 
-    setup_context = staticmethod(_routed_setup_context)
     backward = staticmethod(_routed_backward_autograd)
 
 

@@ -88,7 +88,10 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """x_TD: [T, D] → the routing of every token (logits, probabilities, top-k, weights)."""
         dtype = router_dtype(x_TD.dtype)
-        with torch.autocast(x_TD.device.type, enabled=False):
+        if torch.is_autocast_enabled(x_TD.device.type):
+            with torch.autocast(x_TD.device.type, enabled=False):
+                logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        else:  # (entering an autocast context costs more than the whole router at decode)
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         return self.route(logits_TE)
 
