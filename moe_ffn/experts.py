@@ -65,7 +65,8 @@ class _ExpertBank(nn.Module):
         Args:
             x_TD: [T, D] tokens; plan: their dispatch plan; weight_N: [N] combine weight of
                 each row of the plan's order (float32 or float64).
-        Returns: [T, D] in x's dtype. See `grouped.routed_ffn`: no [N, D] tensor is made.
+        Returns: [T, D] in x's dtype. See `grouped.routed_ffn`: no [N, D] copy of the
+            tokens is kept for backward.
         """
         w1, b1, w2, b2 = self._first_and_second()
         return routed_ffn(

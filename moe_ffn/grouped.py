@@ -17,8 +17,9 @@ Three ops:
   activation tensor outlives the forward; elementwise temporaries live for one group of
   consecutive experts (about 4M elements) at a time.
 - `routed_ffn`: `grouped_ffn` with the MoE dispatch fused in: each group's rows are gathered
-  from the [T, D] tokens and its outputs added, weighted, into a [T, D] sum, so no [N, D]
-  (k copies of the tokens) exists forward or backward. The MoE layer's CPU path.
+  from the [T, D] tokens and its outputs added, weighted, into a [T, D] sum: nothing of
+  [N, D] (k copies of the tokens) is kept from forward to backward, and the row copies that
+  exist are one group's temporaries. The MoE layer's CPU path.
 
 All read only the weights of experts that received rows (decode touches k experts, not E),
 give experts without rows an exact zero gradient, and synchronise with the host once per call
@@ -393,7 +394,7 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
     token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
     are gathered, computed, scaled by weight_N and added into an accumulator in weight_N's
-    dtype; returns (out_TD in weight_N's dtype, h_NH). No [N, D] tensor is made.
+    dtype; returns (out_TD in weight_N's dtype, h_NH). Row copies live for one group only.
     """
     N = x.shape[0] if token_N is None else token_N.shape[0]
     D, H = w2_EDF.shape[1], w1_EHD.shape[1]
@@ -790,10 +791,12 @@ def routed_ffn(
     (`counts_E`) holds it; each group of rows is gathered from x, run through its experts'
     FFNs (as `grouped_ffn`) and added, scaled by `weight_N[n]`, into an accumulator in
     weight_N's dtype; the sum is cast to x's dtype once. Rows past `counts_E.sum()` (dropped
-    by a capacity limit) contribute nothing. Against permute → grouped_ffn → weighted sum, no
-    [N, D] tensor exists at any time, forward or backward (N = T·k rows would be k copies of
-    the tokens): the backward gathers each group's rows again and takes the routing weights'
-    gradient from the down projection's input gradient.
+    by a capacity limit) contribute nothing. Against permute → grouped_ffn → weighted sum,
+    which keep [N, D] inputs and outputs for backward and build [N, D] gradients (N = T·k rows
+    are k copies of the tokens), this keeps x_TD and the first projection [N, H] only, and
+    row copies exist one group at a time (≤ ~4M elements, or one expert's block): the
+    backward gathers each group's rows again and takes the routing weights' gradient from the
+    down projection's input gradient.
 
     Args:
         x_TD: [T, D] tokens.

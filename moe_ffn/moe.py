@@ -174,7 +174,8 @@ class MoE(nn.Module):
                 x_ND = dispatch.permute(x_TD, plan)
         if fused:
             # CPU: gather, experts and weighted sum in one op, group by group (grouped.routed_ffn):
-            # the [N, D] rows of permute/unpermute never exist. "permute" is then the plan alone.
+            # no [N, D] rows of permute/unpermute are kept for backward, row copies live one
+            # group of experts at a time. "permute" is then the plan alone.
             with _region("experts"):
                 weight_N = route.weights_TK.reshape(-1).index_select(0, plan.order_N)
                 out_TD = self.experts.routed(x_TD, plan, weight_N)

@@ -145,6 +145,38 @@ def test_forward_copies_neither_the_bank_nor_weights_per_token():
     assert T * K * moe.experts.gate_up_proj[0].numel() * 4 > bank  # a per-token copy is larger still
 
 
+# --- nothing of N·D kept between forward and backward (the fused CPU dispatch) -------------
+
+def _saved_shapes(moe: MoE, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of every tensor autograd keeps for backward during one forward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(x)
+    return shapes
+
+
+def test_cpu_moe_keeps_no_copy_of_the_token_rows_for_backward():
+    """N = T·K rows of D (K copies of the tokens) are what permute → experts → unpermute keep
+    for backward (the gathered inputs, the expert outputs); the fused op keeps the tokens
+    [T, D] and the first projection [N, 2F] only. D > 2F here, so [N, D] is unambiguous."""
+    torch.manual_seed(0)
+    D_, F_ = 32, 8
+    moe = MoE(dim=D_, hidden_dim=F_, num_experts=E, top_k=K)
+    x = torch.randn(T, D_, requires_grad=True)
+    N = T * K
+    moe.experts.fuses_dispatch = False  # the probe catches the unfused stages' [N, D] tensors
+    assert (N, D_) in _saved_shapes(moe, x)
+    moe.experts.fuses_dispatch = True
+    shapes = _saved_shapes(moe, x)
+    assert (N, D_) not in shapes
+    assert (N, 2 * F_) in shapes and (T, D_) in shapes
+
+
 # --- decode touches only the chosen experts -------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
