@@ -99,7 +99,10 @@ def zeros(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor
         return like.new_zeros(shape, dtype=dtype)
     # MAP_PRIVATE: copy-on-write anonymous memory, zero-page backed until written (MAP_SHARED
     # anonymous memory would be shmem, which allocates on read).
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    try:
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError:  # e.g. a map count limit: torch's allocator may still find the memory
+        return like.new_zeros(shape, dtype=dtype)
     if hasattr(buffer, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # keeps `buffer` alive

@@ -18,16 +18,20 @@ def _thp_mode() -> str | None:
     return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
 
 
-def _huge_kib_at(address: int) -> int:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+def _smaps_kib(address: int, field: str) -> int:
+    """A field (KiB) of the mapping holding `address`, from /proc/self/smaps."""
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
             current = int(head.group(1), 16) <= address < int(head.group(2), 16)
-        elif current and line.startswith("AnonHugePages:"):
+        elif current and line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _huge_kib_at(address: int) -> int:
+    return _smaps_kib(address, "AnonHugePages")
 
 
 def test_empty_has_the_requested_shape_dtype_and_device():
@@ -60,15 +64,7 @@ def test_small_buffers_are_left_alone(monkeypatch):
 
 
 def _rss_kib_at(address: int) -> int:
-    """Rss (resident KiB) of the mapping holding `address`, from /proc/self/smaps."""
-    current = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-        if head:
-            current = int(head.group(1), 16) <= address < int(head.group(2), 16)
-        elif current and line.startswith("Rss:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return _smaps_kib(address, "Rss")
 
 
 def test_zeros_reads_as_zeros_and_owns_its_memory():
