@@ -163,12 +163,16 @@ _SLICED_MM_MAX_INNER = 32
 _SLICED_MM_ELEMENTS = 1 << 20
 
 
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a·b with a, b in the compute dtype; rounded into out's dtype once.
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) -> None:
+    """out = a·b (out += a·b with `accumulate`, same-dtype only) with a, b in the compute
+    dtype; rounded into out's dtype once.
 
     A low-precision `out` takes the fp32 product in slices of rows, so the fp32 temporary
     stays small next to `out` (this is how weight gradients of bf16 experts are written).
     """
+    if accumulate:
+        out.addmm_(a, b)
+        return
     if a.dtype == out.dtype:
         if a.shape[1] <= _SLICED_MM_MAX_INNER and out.numel() > _SLICED_MM_ELEMENTS:
             # few rows behind a weight gradient (decode-sized blocks): MKL writes a large
@@ -360,8 +364,21 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 _GROUP_ELEMENTS = 1 << 22
 
 
-def _groups(blocks: list[tuple[int, int, int]], width: int) -> list[list[tuple[int, int, int]]]:
-    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows."""
+def _groups(
+    blocks: list[tuple[int, int, int]], width: int, split: bool
+) -> list[list[tuple[int, int, int]]]:
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows.
+
+    split: a block longer than that is first cut into pieces of at most that many rows (the
+    same expert on consecutive row ranges), so that no temporary outgrows the budget: at
+    large T a whole expert's [rows, H] temporaries were fresh 50–120 MiB allocations, faulted
+    in page by page on every call. Callers that split accumulate an expert's weight gradient
+    over its pieces; they split only where the gradient is kept in the compute dtype (a bf16
+    gradient summed piece by piece would be rounded once per piece).
+    """
+    if split:
+        most = max(1, _GROUP_ELEMENTS // max(1, width))
+        blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     groups, current, rows = [], [], 0
     for block in blocks:
         if current and (rows + block[2] - block[1]) * width > _GROUP_ELEMENTS:
@@ -410,7 +427,7 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
             out[used:].zero_()
     else:
         out = _memory.empty(weight_N, x.shape[0], D).zero_()
-    for group in _groups(blocks, H):
+    for group in _groups(blocks, H, split=cdt == x.dtype):
         first, last = group[0][1], group[-1][2]
         x_gD = _rows(x, token_N, first, last)
         for e, start, stop in group:
@@ -464,7 +481,8 @@ def _ffn_backward(
     grad_w2 = _memory.zeros(x, *shape_w(E, D, F_))
     grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
     grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
-    for group in _groups(blocks, H):
+    written = set()  # experts whose weight gradient holds a first piece (see _groups)
+    for group in _groups(blocks, H, split=cdt == dtype):
         first, last = group[0][1], group[-1][2]
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)
         h_gH = h_NH[first:last].to(cdt)
@@ -489,9 +507,10 @@ def _ffn_backward(
         if need_w:  # down projection's weight gradient, from the recomputed hidden rows
             for e, start, stop in group:
                 rows = slice(start - first, stop - first)
-                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows])
+                again = e in written
+                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=again)
                 if with_bias:
-                    grad_b2[e] = g_gD[rows].sum(0)
+                    grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if again else 0)
         del a_gF, g_gD
         da_gF = _round(da_gF, dtype)
         if gated:
@@ -508,9 +527,11 @@ def _ffn_backward(
             rows = slice(start - first, stop - first)
             dh_nH = dh_gH[rows]
             if need_w:
-                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows])
+                again = e in written
+                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=again)
                 if with_bias:
-                    grad_b1[e] = dh_nH.sum(0)
+                    grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if again else 0)
+                written.add(e)
             if need_x:
                 target = dx_gD[rows] if routed else grad_x[start:stop]
                 target[:] = _linear(dh_nH, w1_EHD[e].to(cdt).t())

@@ -127,3 +127,19 @@ def test_routed_ffn_rejects_mismatched_rows():
     x, w1, w2 = torch.randn(2, 3), torch.randn(1, 4, 3), torch.randn(1, 3, 2)
     with pytest.raises(ValueError, match=r"token_N and weight_N .* got \(2,\) and \(3,\)"):
         routed_ffn(x, w1, w2, torch.tensor([2]), torch.tensor([0, 1]), torch.rand(3), activation="silu", gated=True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch, bias):
+    """With a tiny group budget every expert's block is cut into one-row pieces (forward) and
+    its weight gradient is accumulated over them (backward): the loop references above still
+    hold to 1e-12."""
+    from moe_ffn import grouped
+
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 8)
+    pieces = grouped._groups([(0, 0, 3), (2, 3, 4)], 8, split=True)
+    assert pieces == [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)], [(2, 3, 4)]]
+    assert grouped._groups([(0, 0, 3)], 8, split=False) == [[(0, 0, 3)]]
+    test_routed_ffn_matches_per_token_loop("silu", True, bias)
+    test_routed_ffn_matches_per_token_loop("gelu", False, bias)
+    test_grouped_ffn_matches_loop("silu", True)
