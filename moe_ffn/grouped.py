@@ -543,7 +543,7 @@ def _ffn_backward(
     return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N
 
 
-def _fake_grads(x, h_NH, w1_EHD, w2_EDF, token_N, need_x, need_w, with_bias, need_weight):
+def _fake_grads(x, h_NH, w1_EHD, w2_EDF, need_x, need_w, with_bias):
     N, H = h_NH.shape
     E, D, F_ = w1_EHD.shape[0], w2_EDF.shape[1], w2_EDF.shape[2]
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
@@ -601,7 +601,7 @@ def _grouped_ffn_backward_op(
 
 @_grouped_ffn_backward_op.register_fake
 def _(grad_ND, x_ND, h_NH, w1_EHD, w2_EDF, counts_E, activation, gated, need_x, need_w, with_bias):
-    return _fake_grads(x_ND, h_NH, w1_EHD, w2_EDF, None, need_x, need_w, with_bias, False)
+    return _fake_grads(x_ND, h_NH, w1_EHD, w2_EDF, need_x, need_w, with_bias)
 
 
 def _ffn_setup_context(ctx, inputs, output):
@@ -683,7 +683,7 @@ def _routed_ffn_backward_op(
 
 @_routed_ffn_backward_op.register_fake
 def _(grad_TD, x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED, activation, gated, need_x, need_w, need_weight):
-    grads = _fake_grads(x_TD, h_NH, w1_EHD, w2_EDF, token_N, need_x, need_w, b2_ED is not None, need_weight)
+    grads = _fake_grads(x_TD, h_NH, w1_EHD, w2_EDF, need_x, need_w, b2_ED is not None)
     return (*grads, weight_N.new_empty(token_N.shape[0] if need_weight else 0))
 
 
