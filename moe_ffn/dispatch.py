@@ -34,14 +34,19 @@ class DispatchPlan:
     tokens_per_expert_E: Tensor  # kept rows per expert, int64, in sorted order
     num_dropped: Tensor  # 0-dim int64: assignments over capacity
     top_k: int
-    inverse_TK: Tensor  # sorted position of assignment (t, k): order_N's inverse, made once per plan
+    # sorted position of assignment (t, k): order_N's inverse, made once per plan for permute /
+    # unpermute; None when the plan was made for the fused CPU op, which does not use it
+    inverse_TK: Tensor | None
     token_N: Tensor  # the token of each sorted row: order_N // top_k
 
 
-def _make_plan(order_N: Tensor, counts_E: Tensor, num_dropped: Tensor, top_k: int) -> DispatchPlan:
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return DispatchPlan(order_N, counts_E, num_dropped, top_k, inverse_N.view(-1, top_k), order_N // top_k)
+def _make_plan(order_N: Tensor, counts_E: Tensor, num_dropped: Tensor, top_k: int, inverse: bool) -> DispatchPlan:
+    inverse_TK = None
+    if inverse:
+        inverse_N = torch.empty_like(order_N)
+        inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        inverse_TK = inverse_N.view(-1, top_k)
+    return DispatchPlan(order_N, counts_E, num_dropped, top_k, inverse_TK, order_N // top_k)
 
 
 def _count(ids_N: Tensor, num_experts: int) -> Tensor:
@@ -56,8 +61,12 @@ def plan(
     num_experts: int,
     capacity: int | None = None,
     drop_policy: DropPolicy = "probs",
+    inverse: bool = True,
 ) -> DispatchPlan:
     """Order the T·K assignments by expert; with `capacity`, drop the overflow.
+
+    inverse: also build `inverse_TK`, which `permute` and `unpermute` need (the fused CPU
+    path, `grouped.routed_ffn`, does not).
 
     Dropping: an expert with more than `capacity` assignments keeps `capacity` of them,
     chosen by `drop_policy` ("probs": highest weight first; "position": earliest token
@@ -68,11 +77,11 @@ def plan(
     ids_N = expert_ids_TK.reshape(-1)
     if num_experts == 1 and capacity is None:  # one expert (the dense case): nothing to sort
         order_N = torch.arange(ids_N.numel(), device=ids_N.device)
-        return _make_plan(order_N, order_N.new_full((1,), ids_N.numel()), order_N.new_zeros(()), K)
+        return _make_plan(order_N, order_N.new_full((1,), ids_N.numel()), order_N.new_zeros(()), K, inverse)
     if capacity is None:
         order_N = torch.argsort(ids_N, stable=True)
         counts_E = _count(ids_N, num_experts)
-        return _make_plan(order_N, counts_E, counts_E.new_zeros(()), K)
+        return _make_plan(order_N, counts_E, counts_E.new_zeros(()), K, inverse)
 
     if drop_policy == "probs":
         by_weight_N = torch.argsort(weights_TK.reshape(-1), descending=True, stable=True)
@@ -88,7 +97,7 @@ def plan(
     to_end_N = torch.argsort(torch.where(kept_N, sorted_ids_N, num_experts), stable=True)
     counts_E = routed_E.clamp(max=capacity)
     num_dropped = (~kept_N).sum()
-    return _make_plan(order_N[to_end_N], counts_E, num_dropped, K)
+    return _make_plan(order_N[to_end_N], counts_E, num_dropped, K, inverse)
 
 
 def _sum_slots(y_ND: Tensor, inverse_TK: Tensor, weights_TK: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -127,20 +136,22 @@ class _Unpermute(torch.autograd.Function):
     """out_TD = Σ_k w[t, k]·y[row of (t, k)] in the weights' dtype, cast to out_dtype once."""
 
     @staticmethod
-    def forward(ctx, y_ND: Tensor, weights_TK: Tensor, order_N: Tensor, inverse_TK: Tensor, out_dtype: torch.dtype) -> Tensor:
-        ctx.save_for_backward(y_ND, weights_TK, order_N, inverse_TK)
+    def forward(
+        ctx, y_ND: Tensor, weights_TK: Tensor, order_N: Tensor, token_N: Tensor, inverse_TK: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        ctx.save_for_backward(y_ND, weights_TK, order_N, token_N, inverse_TK)
         return _sum_slots(y_ND, inverse_TK, weights_TK, weights_TK.dtype).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_TD: Tensor):
-        y_ND, weights_TK, order_N, inverse_TK = ctx.saved_tensors
+        y_ND, weights_TK, order_N, token_N, inverse_TK = ctx.saved_tensors
         T, K = weights_TK.shape
         acc = weights_TK.dtype
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             # d y[row of (t, k)] = w[t, k]·g[t]: a gather in sorted order, scaled per row.
             w_N1 = weights_TK.reshape(-1).index_select(0, order_N).unsqueeze(1)
-            rows_ND = grad_TD.index_select(0, order_N // K)
+            rows_ND = grad_TD.index_select(0, token_N)
             grad_y = (rows_ND.to(acc) * w_N1).to(y_ND.dtype)
         if ctx.needs_input_grad[1]:
             # d w[t, k] = <y[row of (t, k)], g[t]>, per slot: no [T, K, D] tensor.
@@ -148,12 +159,18 @@ class _Unpermute(torch.autograd.Function):
             grad_w = torch.stack(
                 [(y_ND.index_select(0, inverse_TK[:, k]).to(acc) * g_TD).sum(-1) for k in range(K)], dim=1
             ) if K else weights_TK.new_zeros(T, 0)
-        return grad_y, grad_w, None, None, None
+        return grad_y, grad_w, None, None, None, None
+
+
+def _inverse(plan: DispatchPlan) -> Tensor:
+    if plan.inverse_TK is None:
+        raise ValueError("this plan was made with inverse=False; permute/unpermute need plan(..., inverse=True)")
+    return plan.inverse_TK
 
 
 def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
     """[T, D] → [N, D]: the token row of each assignment, in expert order."""
-    return _Permute.apply(x_TD, plan.token_N, plan.inverse_TK)
+    return _Permute.apply(x_TD, plan.token_N, _inverse(plan))
 
 
 def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -162,4 +179,4 @@ def unpermute(y_ND: Tensor, plan: DispatchPlan, weights_TK: Tensor, out_dtype: t
     NOTE: the weighted sum runs in the weights' dtype (float32 or float64) and is cast to
     `out_dtype` once at the end, so bf16 activations are not rounded per slot.
     """
-    return _Unpermute.apply(y_ND, weights_TK, plan.order_N, plan.inverse_TK, out_dtype)
+    return _Unpermute.apply(y_ND, weights_TK, plan.order_N, plan.token_N, _inverse(plan), out_dtype)

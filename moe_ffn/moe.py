@@ -169,7 +169,9 @@ class MoE(nn.Module):
             capacity = None
             if cfg.capacity_factor is not None:
                 capacity = dispatch.expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
-            plan = dispatch.plan(route.expert_ids_TK, route.weights_TK, cfg.num_experts, capacity, cfg.drop_policy)
+            plan = dispatch.plan(
+                route.expert_ids_TK, route.weights_TK, cfg.num_experts, capacity, cfg.drop_policy, inverse=not fused
+            )
             if not fused:
                 x_ND = dispatch.permute(x_TD, plan)
         if fused:

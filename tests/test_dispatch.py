@@ -1,5 +1,6 @@
 """permute / unpermute are an inverse pair; plan sorts stably and counts exactly."""
 
+import pytest
 import torch
 
 from moe_ffn import dispatch
@@ -75,3 +76,11 @@ def test_plan_is_a_permutation_with_exact_counts(T, E, data):
     kept = int(expected.sum())
     experts_in_order = ids.flatten()[p.order_N[:kept]]
     assert experts_in_order.tolist() == sorted(experts_in_order.tolist())
+
+
+def test_plan_without_inverse_is_refused_by_permute():
+    ids = torch.tensor([[0, 1], [1, 0]])
+    p = dispatch.plan(ids, torch.ones(2, 2), 2, inverse=False)
+    assert p.inverse_TK is None and p.token_N.tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="inverse=True"):
+        dispatch.permute(torch.randn(2, 3), p)
