@@ -143,3 +143,96 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     test_routed_ffn_matches_per_token_loop("silu", True, bias)
     test_routed_ffn_matches_per_token_loop("gelu", False, bias)
     test_grouped_ffn_matches_loop("silu", True)
+
+
+def _bf16_decode_case(seed=5):
+    """Decode-sized bf16 blocks (all ≤ 32 rows): expert 1 idle (NaN weights: never read),
+    the last two rows dropped; dims multiples of 8 (torch._grouped_mm's alignment)."""
+    torch.manual_seed(seed)
+    T, D, F, E = 6, 16, 8, 4
+    counts = torch.tensor([2, 0, 3, 1])
+    token = torch.tensor([1, 4, 0, 1, 5, 2, 3, 0])
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    w1 = torch.randn(E, 2 * F, D, dtype=torch.bfloat16)
+    w2 = torch.randn(E, D, F, dtype=torch.bfloat16)
+    w1[1], w2[1] = float("nan"), float("nan")
+    weight = torch.rand(token.numel())
+    return x, w1, w2, counts, token, weight
+
+
+def _count_grouped_mm(monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    return calls
+
+
+def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch):
+    """On CPUs without bf16 matrix units, decode-sized bf16 blocks go through one
+    torch._grouped_mm per projection; the result is the per-block loop's (the same native
+    GEMMs), both within bf16 rounding of float64, and the gradients match too."""
+    import moe_ffn.grouped as grouped
+
+    x, w1, w2, counts, token, weight = _bf16_decode_case()
+    if grouped._compute_dtype(x) == torch.bfloat16 or not grouped._cpu_grouped_mm_available():
+        pytest.skip("this CPU multiplies bf16 natively (or torch lacks CPU _grouped_mm): no decode path")
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weight)]
+    calls = _count_grouped_mm(monkeypatch)
+    out = routed_ffn(*leaves[:3], counts, token, leaves[3], activation="silu", gated=True)
+    assert len(calls) == 2
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out.float() * g.float()).sum(), leaves)
+
+    monkeypatch.setattr(grouped, "_cpu_grouped_mm_available", lambda: False)
+    loop_leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weight)]
+    out_loop = routed_ffn(*loop_leaves[:3], counts, token, loop_leaves[3], activation="silu", gated=True)
+    assert len(calls) == 2  # the loop did not call it
+    loop_grads = torch.autograd.grad((out_loop.float() * g.float()).sum(), loop_leaves)
+
+    kept = counts.sum()
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    expert = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
+    for n, e in enumerate(expert[:kept]):
+        t = int(token[n])
+        h = w1[e].double() @ x[t].double()
+        ref[t] += weight[n].double() * (w2[e].double() @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    scale = ref.abs().max()
+    assert (out.double() - ref).abs().max() <= 3e-2 * scale
+    torch.testing.assert_close(out, out_loop, atol=2e-2 * float(scale), rtol=0)
+    for name, a, b in zip(["x", "w1", "w2", "weight"], grads, loop_grads):
+        a, b = torch.nan_to_num(a.double()), torch.nan_to_num(b.double())
+        torch.testing.assert_close(a, b, atol=2e-2 * float(b.abs().max()), rtol=0, msg=name)
+    assert (grads[1][1] == 0).all() and (grads[2][1] == 0).all()  # the idle expert
+    assert (grads[3][kept:] == 0).all()  # dropped rows
+
+
+def test_bf16_decode_grouped_ffn_zeroes_rows_past_the_counted_ones(monkeypatch):
+    import moe_ffn.grouped as grouped
+
+    x, w1, w2, counts, token, _ = _bf16_decode_case()
+    if grouped._compute_dtype(x) == torch.bfloat16 or not grouped._cpu_grouped_mm_available():
+        pytest.skip("this CPU multiplies bf16 natively (or torch lacks CPU _grouped_mm): no decode path")
+    x_ND = x.index_select(0, token)
+    calls = _count_grouped_mm(monkeypatch)
+    y = grouped_ffn(x_ND, w1, w2, counts, activation="silu", gated=True)
+    assert len(calls) == 2
+    kept = int(counts.sum())
+    assert torch.isfinite(y).all() and (y[kept:] == 0).all()
+    monkeypatch.setattr(grouped, "_cpu_grouped_mm_available", lambda: False)
+    y_loop = grouped_ffn(x_ND, w1, w2, counts, activation="silu", gated=True)
+    torch.testing.assert_close(y, y_loop, atol=2e-2 * float(y_loop.abs().max()), rtol=0)
+
+
+def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
+    """torch._grouped_mm needs 16-byte strides: D = 12 bf16 elements takes the loop."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 12, dtype=torch.bfloat16)
+    w1, w2 = torch.randn(2, 16, 12, dtype=torch.bfloat16), torch.randn(2, 12, 8, dtype=torch.bfloat16)
+    calls = _count_grouped_mm(monkeypatch)
+    out = routed_ffn(x, w1, w2, torch.tensor([2, 1]), torch.tensor([0, 2, 1]), torch.rand(3), activation="silu", gated=True)
+    assert calls == [] and torch.isfinite(out).all()
