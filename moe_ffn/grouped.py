@@ -103,15 +103,37 @@ def _grouped_mm_aligned(*tensors: Tensor) -> bool:
     )
 
 
+# Decode-sized float32 products (1–16 rows) are reads of the weight. Measured on the 2-core
+# AVX2 EPYC with weights cycling through more than the cache holds (as E experts' do), in GB/s
+# of weight read, for the weights of both benchmark shapes (512×1024 … 7168×1024):
+#   1 row:     oneDNN 7.9–17, sgemm x·Wᵀ 5.3–11, W·xᵀ 5.4–12 → oneDNN, down to 2^18 elements
+#   2–4 rows:  oneDNN 3.9–8.1, sgemm 2.2–5.5, W·xᵀ 6.2–10.3   → W·xᵀ (its [O, rows] result is
+#              transposed by the caller's copy, which is a few KiB)
+#   8–16 rows: W·xᵀ ahead for weights under 2^21 elements (4.7–5.6 against 3.4–5.8), oneDNN
+#              ahead for the 7168×1024 and 3584×1024 ones (5.3–7.3 against 4.2–5.9).
+# W·xᵀ needs the weight row-major (the forward's W); the backward's Wᵀ views keep oneDNN.
+_ONEDNN_MIN_WEIGHT_ONE_ROW = 1 << 18
+_W_XT_ROWS = (2, 16)
+_W_XT_MAX_ROWS_LARGE = 4
+_W_XT_LARGE_WEIGHT = 1 << 21
+
+
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
-    """x·wᵀ + b in x's dtype, through oneDNN for small float32 CPU products (see above)."""
+    """x·wᵀ + b in x's dtype; small float32 CPU products take the fastest measured kernel
+    (see above). The result may be a transposed view: callers copy it into place."""
+    rows = x.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
+        return F.linear(x, w, b)
     if (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and 0 < x.shape[0] <= _ONEDNN_MAX_ROWS
-        and (w.numel() >= _ONEDNN_MIN_WEIGHT or x.shape[0] * w.numel() >= _ONEDNN_MIN_MACS)
-        and _onednn_linear_available()
+        _W_XT_ROWS[0] <= rows <= _W_XT_ROWS[1]
+        and w.is_contiguous()
+        and w.numel() >= _ONEDNN_MIN_WEIGHT_ONE_ROW
+        and (rows <= _W_XT_MAX_ROWS_LARGE or w.numel() < _W_XT_LARGE_WEIGHT)
     ):
+        y_OM = torch.mm(w, x.t()) if b is None else torch.addmm(b.unsqueeze(1), w, x.t())
+        return y_OM.t()
+    onednn = w.numel() >= (_ONEDNN_MIN_WEIGHT_ONE_ROW if rows == 1 else _ONEDNN_MIN_WEIGHT)
+    if (onednn or rows * w.numel() >= _ONEDNN_MIN_MACS) and _onednn_linear_available():
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 

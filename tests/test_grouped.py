@@ -236,3 +236,35 @@ def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
     calls = _count_grouped_mm(monkeypatch)
     out = routed_ffn(x, w1, w2, torch.tensor([2, 1]), torch.tensor([0, 2, 1]), torch.rand(3), activation="silu", gated=True)
     assert calls == [] and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_decode_sized_blocks_match_float64(bias):
+    """float32 blocks of 1, 3 and 12 rows against weights of 2^18–2^19 elements: the sizes at
+    which the products switch kernels (oneDNN for one row, W·xᵀ for a few; see grouped._linear)
+    give the float64 loop's outputs and gradients to float32 accuracy."""
+    torch.manual_seed(11)
+    D, F, E = 512, 512, 4
+    counts = torch.tensor([1, 3, 0, 12])
+    N = int(counts.sum())
+    x64 = torch.randn(N, D, **f64)
+    w1_64 = torch.randn(E, 2 * F, D, **f64) / D**0.5
+    w2_64 = torch.randn(E, D, F, **f64) / F**0.5
+    b1_64 = torch.randn(E, 2 * F, **f64) if bias else None
+    b2_64 = torch.randn(E, D, **f64) if bias else None
+    leaves32 = [t.float().requires_grad_() for t in (x64, w1_64, w2_64) + ((b1_64, b2_64) if bias else ())]
+    leaves64 = [t.clone().requires_grad_() for t in (x64, w1_64, w2_64) + ((b1_64, b2_64) if bias else ())]
+    y = grouped_ffn(*leaves32[:3], counts, *(leaves32[3:] or (None, None)), activation="silu", gated=True)
+    x, w1, w2 = leaves64[:3]
+    rows = []
+    for e, s, t in _blocks(counts.tolist()):
+        if t > s:
+            h = x[s:t] @ w1[e].T + (leaves64[3][e] if bias else 0)
+            rows.append((act("silu", h[:, :F]) * h[:, F:]) @ w2[e].T + (leaves64[4][e] if bias else 0))
+    ref = torch.cat(rows)
+    torch.testing.assert_close(y.double(), ref, atol=1e-4 * float(ref.detach().abs().max()), rtol=0)
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad((y.double() * g).sum(), leaves32)
+    want = torch.autograd.grad((ref * g).sum(), leaves64)
+    for name, a, r in zip(["x", "w1", "w2", "b1", "b2"], got, want):
+        torch.testing.assert_close(a.double(), r, atol=1e-4 * float(r.abs().max()), rtol=0, msg=name)

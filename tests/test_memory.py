@@ -1,5 +1,6 @@
 """moe_ffn._memory: large fresh CPU buffers on transparent huge pages."""
 
+import mmap
 import re
 import sys
 from pathlib import Path
@@ -40,17 +41,32 @@ def test_empty_has_the_requested_shape_dtype_and_device():
     assert t.shape == (4, 5, 6) and t.dtype == torch.bfloat16 and t.device == like.device
 
 
+def _fresh_floats(n: int) -> torch.Tensor:
+    """n float32 on a fresh private anonymous mapping: no page touched yet. (torch.empty may
+    reuse heap memory freed by earlier tests, already faulted in on 4 KiB pages.)"""
+    return torch.frombuffer(mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE), dtype=torch.float32)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
                     reason="needs Linux with transparent huge pages in madvise or always mode")
-def test_large_buffers_are_backed_by_huge_pages_once_touched():
-    # 64 MiB: glibc maps it fresh, so no page is touched before the advice.
-    t = _memory.empty(torch.empty(0), 16 << 20)
+def test_advised_buffers_are_backed_by_huge_pages_once_touched():
+    t = _memory.advise_huge_pages(_fresh_floats(16 << 20))  # 64 MiB
     t.fill_(1.0)
     assert _huge_kib_at(t.data_ptr() + t.numel() * 2) >= 2048
     if _thp_mode() == "madvise":  # without the advice the same buffer gets 4 KiB pages
-        plain = torch.empty(16 << 20)
+        plain = _fresh_floats(16 << 20)
         plain.fill_(1.0)
         assert _huge_kib_at(plain.data_ptr() + plain.numel() * 2) == 0
+
+
+def test_large_empty_buffers_are_advised_on_their_aligned_interior(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_memory, "_madvise", lambda: lambda *a: calls.append(a))
+    t = _memory.empty(torch.empty(0), 16 << 20)
+    [(start, length, advice)] = calls
+    assert advice == 14 and start % (1 << 21) == 0 and length % (1 << 21) == 0  # MADV_HUGEPAGE
+    assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.numel() * 4
+    assert length >= t.numel() * 4 - 2 * (1 << 21)
 
 
 def test_small_buffers_are_left_alone(monkeypatch):
