@@ -33,7 +33,9 @@ anyway) and round every result to the storage dtype once, as a bf16 GEMM rounds 
 Elementwise intermediates (the activation product, its gradient) are rounded to the storage
 dtype too, so the result is the native low-precision computation with fp32 accumulation.
 Very small blocks in forward (decode) keep the native GEMM: there the cost is reading the
-weights, and upcasting them would triple the bytes moved. float32 and float64 run unchanged.
+weights, and upcasting them would triple the bytes moved; when every block of a call is that
+small, both projections run through torch._grouped_mm (one C++ loop over the experts instead
+of ours in Python). float32 and float64 run unchanged.
 """
 
 from __future__ import annotations
