@@ -111,8 +111,9 @@ def _grouped_mm_aligned(*tensors: Tensor) -> bool:
 #   1 row:     oneDNN 7.9–17, sgemm x·Wᵀ 5.3–11, W·xᵀ 5.4–12 → oneDNN, down to 2^18 elements
 #   2–4 rows:  oneDNN 3.9–8.1, sgemm 2.2–5.5, W·xᵀ 6.2–10.3   → W·xᵀ (its [O, rows] result is
 #              transposed by the caller's copy, which is a few KiB)
-#   8–16 rows: W·xᵀ ahead for weights under 2^21 elements (4.7–5.6 against 3.4–5.8), oneDNN
-#              ahead for the 7168×1024 and 3584×1024 ones (5.3–7.3 against 4.2–5.9).
+#   8–16 rows: W·xᵀ ahead or level for weights under 2^21 elements (4.7–5.6 against oneDNN
+#              3.4–5.8); for larger ones the two trade places (oneDNN 4.9–7.3, W·xᵀ 4.2–6.5),
+#              and oneDNN is kept.
 # W·xᵀ needs the weight row-major (the forward's W); the backward's Wᵀ views keep oneDNN.
 _ONEDNN_MIN_WEIGHT_ONE_ROW = 1 << 18
 _W_XT_ROWS = (2, 16)
@@ -475,7 +476,6 @@ def _ffn_forward_grouped_mm(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, acti
     """`_ffn_forward` for decode-sized low-precision blocks through torch._grouped_mm: the
     same native GEMMs, activation rounding and fp32 weighted sum as the per-block loop.
     Experts without rows are empty groups: their weights are not read."""
-    N = x.shape[0] if token_N is None else token_N.shape[0]
     offsets_E = counts_E.cumsum(0).to(torch.int32)
     x_ND = x if token_N is None else x.index_select(0, token_N)
     h_NH = torch._grouped_mm(x_ND, w1_EHD.transpose(1, 2), offs=offsets_E)
