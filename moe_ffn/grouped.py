@@ -467,8 +467,8 @@ def _decode_on_grouped_mm(
         and len(blocks) > 1
         and all(stop - start <= _NATIVE_LOWP_MAX_ROWS for _, start, stop in blocks)
         and w1_EHD.shape[1] % 8 == 0
-        and _grouped_mm_aligned(x, w1_EHD, w2_EDF)
         and _cpu_grouped_mm_available()
+        and _grouped_mm_aligned(x, w1_EHD, w2_EDF)
     )
 
 

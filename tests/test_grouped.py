@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import moe_ffn.grouped as grouped
 from moe_ffn.grouped import grouped_ffn, grouped_linear, routed_ffn
 from reference import act
 
@@ -145,6 +146,15 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     test_grouped_ffn_matches_loop("silu", True)
 
 
+# The bf16 decode path exists where bf16 is multiplied in fp32 (no bf16 matrix units) and
+# torch has a CPU grouped GEMM; elsewhere these tests have nothing to check.
+_bf16_decode_path = pytest.mark.skipif(
+    grouped._compute_dtype(torch.empty(0, dtype=torch.bfloat16)) == torch.bfloat16
+    or not grouped._cpu_grouped_mm_available(),
+    reason="this CPU multiplies bf16 natively (or torch lacks CPU _grouped_mm): no decode path",
+)
+
+
 def _bf16_decode_case(seed=5):
     """Decode-sized bf16 blocks (all ≤ 32 rows): expert 1 idle (NaN weights: never read),
     the last two rows dropped; dims multiples of 8 (torch._grouped_mm's alignment)."""
@@ -172,15 +182,12 @@ def _count_grouped_mm(monkeypatch):
     return calls
 
 
+@_bf16_decode_path
 def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch):
     """On CPUs without bf16 matrix units, decode-sized bf16 blocks go through one
     torch._grouped_mm per projection; the result is the per-block loop's (the same native
     GEMMs), both within bf16 rounding of float64, and the gradients match too."""
-    import moe_ffn.grouped as grouped
-
     x, w1, w2, counts, token, weight = _bf16_decode_case()
-    if grouped._compute_dtype(x) == torch.bfloat16 or not grouped._cpu_grouped_mm_available():
-        pytest.skip("this CPU multiplies bf16 natively (or torch lacks CPU _grouped_mm): no decode path")
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weight)]
     calls = _count_grouped_mm(monkeypatch)
     out = routed_ffn(*leaves[:3], counts, token, leaves[3], activation="silu", gated=True)
@@ -211,12 +218,9 @@ def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch):
     assert (grads[3][kept:] == 0).all()  # dropped rows
 
 
+@_bf16_decode_path
 def test_bf16_decode_grouped_ffn_zeroes_rows_past_the_counted_ones(monkeypatch):
-    import moe_ffn.grouped as grouped
-
     x, w1, w2, counts, token, _ = _bf16_decode_case()
-    if grouped._compute_dtype(x) == torch.bfloat16 or not grouped._cpu_grouped_mm_available():
-        pytest.skip("this CPU multiplies bf16 natively (or torch lacks CPU _grouped_mm): no decode path")
     x_ND = x.index_select(0, token)
     calls = _count_grouped_mm(monkeypatch)
     y = grouped_ffn(x_ND, w1, w2, counts, activation="silu", gated=True)
