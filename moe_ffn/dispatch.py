@@ -50,7 +50,10 @@ def _make_plan(order_N: Tensor, counts_E: Tensor, num_dropped: Tensor, top_k: in
 
 
 def _count(ids_N: Tensor, num_experts: int) -> Tensor:
-    # scatter_add instead of bincount: a fixed output size keeps torch.compile graphs whole.
+    if ids_N.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.bincount(ids_N, minlength=num_experts)  # one op instead of three
+    # scatter_add instead of bincount: a fixed output size keeps torch.compile graphs whole,
+    # and on CUDA bincount reads the largest id back to the host.
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device)
     return counts_E.scatter_add_(0, ids_N, torch.ones_like(ids_N))
 

@@ -476,17 +476,22 @@ def _ffn_forward_grouped_mm(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, acti
     """`_ffn_forward` for decode-sized low-precision blocks through torch._grouped_mm: the
     same native GEMMs, activation rounding and fp32 weighted sum as the per-block loop.
     Experts without rows are empty groups: their weights are not read."""
-    offsets_E = counts_E.cumsum(0).to(torch.int32)
+    offsets_E = counts_E.cumsum(0, dtype=torch.int32)
     x_ND = x if token_N is None else x.index_select(0, token_N)
     h_NH = torch._grouped_mm(x_ND, w1_EHD.transpose(1, 2), offs=offsets_E)
-    h_NH[used:].zero_()  # rows no expert holds (dropped): _grouped_mm leaves them unwritten
+    dropped = used < h_NH.shape[0]
+    if dropped:
+        h_NH[used:].zero_()  # rows no expert holds: _grouped_mm leaves them unwritten
     a_NF = _hidden(h_NH.to(cdt), activation, gated, cdt).to(x.dtype)
     y_ND = torch._grouped_mm(a_NF, w2_EDF.transpose(1, 2), offs=offsets_E)
     if token_N is None:
-        y_ND[used:].zero_()
+        if dropped:
+            y_ND[used:].zero_()
         return y_ND, h_NH
-    out = _memory.empty(weight_N, x.shape[0], x.shape[1]).zero_()
-    out.index_add_(0, token_N[:used], y_ND[:used].to(weight_N.dtype).mul_(weight_N[:used, None]))
+    if dropped:
+        y_ND, token_N, weight_N = y_ND[:used], token_N[:used], weight_N[:used]
+    out = weight_N.new_zeros(x.shape[0], x.shape[1])
+    out.index_add_(0, token_N, torch.mul(y_ND, weight_N[:, None]))  # in weight_N's dtype (promotion)
     return out, h_NH
 
 
@@ -819,8 +824,12 @@ _routed_ffn_op.register_autograd(_routed_backward_autograd, setup_context=_route
 # inspect.signature on every call.)
 class _GroupedFFNEager(torch.autograd.Function):
     @staticmethod
+    def compute(*inputs):
+        return _ffn_forward(*inputs[:4], None, None, *inputs[4:])
+
+    @staticmethod
     def forward(ctx, *inputs):
-        outputs = _ffn_forward(*inputs[:4], None, None, *inputs[4:])
+        outputs = _GroupedFFNEager.compute(*inputs)
         _ffn_setup_context(ctx, inputs, outputs)
         return outputs
 
@@ -828,6 +837,8 @@ class _GroupedFFNEager(torch.autograd.Function):
 
 
 class _RoutedFFNEager(torch.autograd.Function):
+    compute = staticmethod(_ffn_forward)
+
     @staticmethod
     def forward(ctx, *inputs):
         outputs = _ffn_forward(*inputs)
@@ -840,10 +851,13 @@ class _RoutedFFNEager(torch.autograd.Function):
 def _call(op, eager: type[torch.autograd.Function], *inputs):
     if torch.compiler.is_compiling():
         return op(*inputs)
+    # Without grad mode there is nothing to record: the forward runs without the Function
+    # (its context and saved tensors cost ~30 µs of a decode step).
+    run = eager.apply if torch.is_grad_enabled() else eager.compute
     if torch.autograd.profiler._is_profiler_enabled:  # traces show the op's name either way
         with torch.profiler.record_function(op._qualname):
-            return eager.apply(*inputs)
-    return eager.apply(*inputs)
+            return run(*inputs)
+    return run(*inputs)
 
 
 def grouped_ffn(

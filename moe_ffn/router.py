@@ -116,9 +116,11 @@ class TopKRouter(nn.Module):
             else:  # sigmoid_topk
                 scores_TE = logits_TE.sigmoid()
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-            select_TE = scores_TE if bias_E is None else scores_TE + bias_E
-            expert_ids_TK = select_TE.topk(K, dim=-1).indices
-            weights_TK = scores_TE.gather(-1, expert_ids_TK)
+            if bias_E is None:  # the selected scores are the weights: topk returns them
+                weights_TK, expert_ids_TK = scores_TE.topk(K, dim=-1)
+            else:
+                expert_ids_TK = (scores_TE + bias_E).topk(K, dim=-1).indices
+                weights_TK = scores_TE.gather(-1, expert_ids_TK)
             if self.norm_topk_prob:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:

@@ -192,6 +192,8 @@ def test_decode_reads_only_the_active_experts(dtype):
     with torch.no_grad():
         for w in (moe.experts.gate_up_proj, moe.experts.down_proj):
             w[idle] = float("nan")
+    with torch.no_grad():  # inference runs the forward outside the autograd Function
+        assert torch.isfinite(moe(x)).all()
     y = moe(x)
     assert torch.isfinite(y).all()
     y.sum().backward()
@@ -199,6 +201,17 @@ def test_decode_reads_only_the_active_experts(dtype):
     for w in (moe.experts.gate_up_proj, moe.experts.down_proj):
         assert torch.equal(w.grad[idle], torch.zeros_like(w.grad[idle]))  # exact zeros
         assert torch.isfinite(w.grad[sorted(active)]).all()
+
+
+@pytest.mark.parametrize("dtype, tokens", [(torch.float32, 1), (torch.float32, T), (torch.bfloat16, 1), (torch.bfloat16, T)])
+def test_inference_forward_is_the_training_forward(dtype, tokens):
+    """Under no_grad the experts run without the autograd Function: the same output, bit for bit."""
+    moe = _moe().to(dtype)
+    x = torch.randn(tokens, D, dtype=dtype)
+    with torch.no_grad():
+        y_infer = moe(x)
+    y_train = moe(x.requires_grad_())
+    assert y_train.grad_fn is not None and torch.equal(y_infer, y_train)
 
 
 def test_nan_probe_catches_a_read_of_every_expert():
