@@ -146,6 +146,21 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     test_grouped_ffn_matches_loop("silu", True)
 
 
+@pytest.mark.parametrize("sliced", [False, True])
+def test_weight_gradients_written_by_accumulating_onto_zeros(monkeypatch, sliced):
+    """Large weight gradients are written as zeros + a·b (grouped._ACCUMULATE_ELEMENTS), whole
+    or in row slices (thin products): forced at these small sizes, the loop references still
+    hold to 1e-12."""
+    from moe_ffn import grouped
+
+    monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
+    if sliced:
+        monkeypatch.setattr(grouped, "_SLICED_MM_ELEMENTS", 4)
+    test_routed_ffn_matches_per_token_loop("silu", True, True)
+    test_grouped_ffn_matches_loop("gelu", False)
+    test_grouped_linear_matches_loop_with_empty_experts_and_dropped_tail(True)
+
+
 # The bf16 decode path exists where bf16 is multiplied in fp32 (no bf16 matrix units) and
 # torch has a CPU grouped GEMM; elsewhere these tests have nothing to check.
 _bf16_decode_path = pytest.mark.skipif(
