@@ -53,10 +53,14 @@ from moe_ffn.activations import get_activation
 __all__ = ["grouped_linear", "grouped_ffn", "routed_ffn"]
 
 # Forward blocks with at most this many rows use the native low-precision GEMM on CPU (see
-# the NOTE above): there the product is bandwidth-bound and upcasting the weight block costs
-# more than it saves. Measured on AVX2 (Mixtral's 7168×1024 block): native bf16 4–16 ms for
-# 4–16 rows against 16 ms for the upcast alone; from ~64 rows the fp32 product wins.
-_NATIVE_LOWP_MAX_ROWS = 32
+# the NOTE above): there the product is a read of the weights, and upcasting them costs more
+# than it saves. Measured on the 2-core AVX2 EPYC (GFLOP/s, the benchmark's four weight shapes,
+# 7168×1024 … 1024×512): the native bf16 GEMM runs at 10–19 whatever the rows, as if it
+# converted the weight once per row; upcast to fp32 they run at 8–12 for 8 rows and 15–60 for
+# 16–64. Fine-grained bf16 forward at T = 256 (32-row blocks): 308 → 152 ms from 32 to 8.
+# (Upcasting in cache-sized slices into a reused buffer instead of the whole weight block was
+# 2–4× faster in isolation at 16–64 rows but no faster inside the layer: tried and dropped.)
+_NATIVE_LOWP_MAX_ROWS = 8
 
 # float32 products with at most this many rows go to oneDNN's inner product instead of the
 # BLAS sgemm behind torch.mm: measured on the 2-core AVX2 EPYC with MKL, oneDNN is 1.5–4×

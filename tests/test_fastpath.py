@@ -256,7 +256,9 @@ def test_op_count_probe_catches_a_token_loop():
 
 # --- the bf16 path on CPU (fp32 products, bf16 results) ---------------------------------------
 
-@pytest.mark.parametrize("tokens", [3, 160])  # native GEMMs for tiny blocks, fp32 products for large ones
+# blocks of ~2 rows: native bf16 GEMMs; ~20, ~80 and ~200 rows: fp32 products of upcast
+# blocks (see grouped._NATIVE_LOWP_MAX_ROWS)
+@pytest.mark.parametrize("tokens", [3, 40, 160, 400])
 def test_bf16_output_and_gradients_match_float64_within_bf16_rounding(tokens):
     torch.manual_seed(0)
     # top-1 without renormalising: the combine weight is the router probability, so the
@@ -265,6 +267,7 @@ def test_bf16_output_and_gradients_match_float64_within_bf16_rounding(tokens):
     ref = MoE(**cfg).double()
     moe = MoE(**cfg).bfloat16()
     moe.load_state_dict(ref.state_dict())
+    ref.load_state_dict(moe.state_dict())  # the same (bf16-valued) weights: routing agrees
     x64 = torch.randn(tokens, D, dtype=torch.float64, requires_grad=True)
     x16 = x64.detach().bfloat16().requires_grad_()
     g = torch.randn(tokens, D, dtype=torch.float64)

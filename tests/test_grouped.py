@@ -287,3 +287,26 @@ def test_float32_decode_sized_blocks_match_float64(bias):
     want = torch.autograd.grad((ref * g).sum(), leaves64)
     for name, a, r in zip(["x", "w1", "w2", "b1", "b2"], got, want):
         torch.testing.assert_close(a.double(), r, atol=1e-4 * float(r.abs().max()), rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_bf16_blocks_upcast_with_biases_match_float64(gated):
+    """bf16 blocks of 12 and 40 rows (multiplied in fp32 on CPUs without bf16 matrix units,
+    see grouped._NATIVE_LOWP_MAX_ROWS) with biases: within bf16 rounding of the float64 loop."""
+    torch.manual_seed(2)
+    D, F, E = 16, 12, 3
+    H = 2 * F if gated else F
+    counts = torch.tensor([12, 0, 40])
+    x = torch.randn(52, D).bfloat16()
+    w1, w2 = torch.randn(E, H, D).bfloat16() / 4, torch.randn(E, D, F).bfloat16() / 4
+    b1, b2 = torch.randn(E, H).bfloat16(), torch.randn(E, D).bfloat16()
+    y = grouped_ffn(x, w1, w2, counts, b1, b2, activation="silu", gated=gated)
+    assert y.dtype == torch.bfloat16
+    rows = []
+    for e, s, t in _blocks(counts.tolist()):
+        if t > s:
+            h = x[s:t].double() @ w1[e].double().T + b1[e].double()
+            a = act("silu", h[:, :F]) * h[:, F:] if gated else act("silu", h)
+            rows.append(a @ w2[e].double().T + b2[e].double())
+    ref = torch.cat(rows)
+    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
