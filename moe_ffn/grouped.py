@@ -860,7 +860,7 @@ class _RoutedFFNEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        outputs = _ffn_forward(*inputs)
+        outputs = _RoutedFFNEager.compute(*inputs)
         _routed_setup_context(ctx, inputs, outputs)
         return outputs
 
