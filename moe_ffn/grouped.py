@@ -123,6 +123,14 @@ _ONEDNN_MIN_WEIGHT_ONE_ROW = 1 << 18
 _W_XT_ROWS = (2, 16)
 _W_XT_MAX_ROWS_LARGE = 4
 _W_XT_LARGE_WEIGHT = 1 << 21
+# Input gradients g·W whose result is much wider than g (the down projection's: [rows, D] ·
+# [D, F] with F ≥ 2.5·D) go to MKL's sgemm from this many rows: oneDNN's inner product runs
+# that layout at 71–88 GFLOP/s against 77–97 for sgemm at 256–1024 rows (1024×3584 and
+# 1024×2816 weights, interleaved, weights cycling through more than the cache holds).
+# Mixtral fp32 forward+backward at T = 2048 (~512-row blocks), A/B in one process:
+# 3021 → 2839, 3210 → 3124, 3696 → 3079 ms. At 64 rows the two were level.
+_WIDE_SGEMM_MIN_ROWS = 256
+_WIDE_RATIO = 2.5
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
@@ -131,6 +139,8 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
         return F.linear(x, w, b)
+    if rows >= _WIDE_SGEMM_MIN_ROWS and w.shape[0] >= _WIDE_RATIO * w.shape[1] and not w.is_contiguous():
+        return F.linear(x, w, b)  # g·W into a wide result: sgemm (see _WIDE_SGEMM_MIN_ROWS)
     if (
         _W_XT_ROWS[0] <= rows <= _W_XT_ROWS[1]
         and w.is_contiguous()
@@ -218,6 +228,14 @@ _SLICED_MM_ELEMENTS = 1 << 20
 # forward+backward at T = 256: 600 → 473 ms (A/B, same process); at the fine-grained shape's
 # 2^19–2^20-element gradients, which stay in cache, overwriting is as fast or faster.
 _ACCUMULATE_ELEMENTS = 1 << 21
+# Weight gradients from 2–4 rows whose output stays in cache are written as a sum of outer
+# products (one elementwise pass per row) instead of by sgemm, which writes a 1024×1024
+# gradient from a few rows at ~5 GB/s. Fine-grained fp32 forward+backward at T = 16 (blocks of
+# ~2 rows), A/B in one process on the 2-core EPYC: 231 → 216, 256 → 246, 208 → 203 ms. Larger
+# outputs (Mixtral's 7168×1024 from 4 rows: 214 → 227 ms) lose, as each row's pass then goes
+# to memory; one row is left to sgemm, whose single pass into fresh memory was steadier.
+_OUTER_INNER = (2, 4)
+_OUTER_MAX_ELEMENTS = 1 << 21
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) -> None:
@@ -229,6 +247,9 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) ->
     stays small next to `out` (this is how weight gradients of bf16 experts are written).
     """
     if a.dtype == out.dtype:
+        if _OUTER_INNER[0] <= a.shape[1] <= _OUTER_INNER[1] and out.numel() <= _OUTER_MAX_ELEMENTS:
+            _outer_products_into(out, a, b, accumulate)
+            return
         add = accumulate or out.numel() > _ACCUMULATE_ELEMENTS  # (out is zero otherwise)
         if a.shape[1] <= _SLICED_MM_MAX_INNER and out.numel() > _SLICED_MM_ELEMENTS:
             # few rows behind a weight gradient (decode-sized blocks): MKL writes a large
@@ -245,6 +266,15 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) ->
     rows = max(1, (1 << 22) // max(1, out.shape[1]))  # ≤ 16 MiB of fp32 per slice
     for start in range(0, out.shape[0], rows):
         out[start : start + rows] = a[start : start + rows] @ b
+
+
+def _outer_products_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a·b as Σ_k a[:, k] ⊗ b[k] (see _OUTER_INNER)."""
+    for k in range(a.shape[1]):
+        if k == 0 and not accumulate:
+            torch.mul(a[:, :1], b[:1], out=out)
+        else:
+            out.addcmul_(a[:, k : k + 1], b[k : k + 1])
 
 
 def _mm_rows(out: Tensor, a: Tensor, b: Tensor, add: bool) -> None:

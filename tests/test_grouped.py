@@ -262,9 +262,33 @@ def test_float32_decode_sized_blocks_match_float64(bias):
     """float32 blocks of 1, 3 and 12 rows against weights of 2^18–2^19 elements: the sizes at
     which the products switch kernels (oneDNN for one row, W·xᵀ for a few; see grouped._linear)
     give the float64 loop's outputs and gradients to float32 accuracy."""
+    _float32_blocks_match_float64(torch.tensor([1, 3, 0, 12]), 512, 512, bias)
+
+
+def test_thin_weight_gradients_as_outer_products_match_float64(monkeypatch):
+    """Weight gradients from 2–4 rows are sums of outer products (grouped._OUTER_INNER), also
+    when an expert's block is cut into 2-row pieces whose gradients accumulate: float64 loop."""
+    calls = []
+    real = grouped._outer_products_into
+    monkeypatch.setattr(grouped, "_outer_products_into", lambda out, a, b, acc: calls.append((a.shape[1], acc)) or real(out, a, b, acc))
+    _float32_blocks_match_float64(torch.tensor([1, 3, 0, 4]), 256, 128, bias=True)
+    assert sorted(set(calls)) == [(3, False), (4, False)]
+    calls.clear()
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 2 * 2 * 128)  # pieces of 2 rows
+    _float32_blocks_match_float64(torch.tensor([1, 3, 0, 4]), 256, 128, bias=True)
+    assert sorted(set(calls)) == [(2, False), (2, True)]
+
+
+def test_wide_input_gradients_on_sgemm_match_float64(monkeypatch):
+    """The down projection's input gradient into a result 3× wider than the gradient
+    (grouped._WIDE_SGEMM_MIN_ROWS, forced down to 8 rows here): float64 loop."""
+    monkeypatch.setattr(grouped, "_WIDE_SGEMM_MIN_ROWS", 8)
+    _float32_blocks_match_float64(torch.tensor([1, 9, 0, 12]), 128, 384, bias=False)
+
+
+def _float32_blocks_match_float64(counts, D, F, bias):
     torch.manual_seed(11)
-    D, F, E = 512, 512, 4
-    counts = torch.tensor([1, 3, 0, 12])
+    E = counts.numel()
     N = int(counts.sum())
     x64 = torch.randn(N, D, **f64)
     w1_64 = torch.randn(E, 2 * F, D, **f64) / D**0.5
