@@ -72,7 +72,10 @@ _ONEDNN_MAX_ROWS = 512
 # (badly so on a loaded machine). The weight-size rule is decode's: with 1–16 rows the product
 # is a read of the weight, and oneDNN reads a 7168×1024 fp32 block at ~19 GB/s against
 # ~10 GB/s for sgemm (measured 1.25 vs 2.7 ms for one row); below ~2^19 elements sgemm wins.
-_ONEDNN_MIN_MACS = 1 << 24
+# (2^24 → 2^23 moved the fine-grained shape's 17–31-row blocks on its 1024×512 down projection
+# from sgemm, ~18 GFLOP/s there, to oneDNN: fine forward at T = 256, A/B in one process,
+# fp32 166 → 159 and 158 → 154 ms, bf16 125 → 117 ms; forward+backward 499 → 473 ms.)
+_ONEDNN_MIN_MACS = 1 << 23
 _ONEDNN_MIN_WEIGHT = 1 << 20
 
 
