@@ -250,7 +250,12 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) ->
     stays small next to `out` (this is how weight gradients of bf16 experts are written).
     """
     if a.dtype == out.dtype:
-        if _OUTER_INNER[0] <= a.shape[1] <= _OUTER_INNER[1] and out.numel() <= _OUTER_MAX_ELEMENTS:
+        if (
+            _OUTER_INNER[0] <= a.shape[1] <= _OUTER_INNER[1]
+            and out.numel() <= _OUTER_MAX_ELEMENTS
+            and out.dtype in (torch.float32, torch.float64)  # a bf16 sum would round per row
+            and out.device.type == "cpu"
+        ):
             _outer_products_into(out, a, b, accumulate)
             return
         add = accumulate or out.numel() > _ACCUMULATE_ELEMENTS  # (out is zero otherwise)
