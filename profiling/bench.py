@@ -15,7 +15,8 @@ What it does, in one run:
    MixtralSparseMoeBlock with `config._experts_implementation` set), `dense` (moe_ffn.SwiGLU
    of width K·F on the same T tokens) and `dense_nn` (the same dense block written with three
    nn.Linear). Implementations run round-robin, one call each per round, so load from other
-   processes hits all of them alike; the median over rounds is reported.
+   processes hits all of them alike, starting one later each round, so none always follows the
+   same one; the median over rounds is reported.
 3. Writes results/bench.{md,json,png} and the table into profiling/README.md.
 
 Definitions (also in README.md):
@@ -277,7 +278,9 @@ def run_case(impls, names, x, grad, backward, reps_max, budget_s):
     Each implementation gets its own number of rounds, budget_s / its warm-up time, between
     3 and reps_max (1 for a call longer than 3·budget_s): a slow implementation no longer cuts
     the fast ones to one noisy run. Round r runs, in turn, every implementation that still
-    has rounds left, so load from other processes hits them alike.
+    has rounds left, so load from other processes hits them alike; the order rotates by one
+    each round, so no implementation always runs after the same one (whose weights and
+    temporaries it would find in, or evicted from, the cache).
     """
     times = {}
     warm = {}
@@ -291,7 +294,8 @@ def run_case(impls, names, x, grad, backward, reps_max, budget_s):
         reps[name] = 1 if w > 3 * budget_s else max(3, min(reps_max, int(budget_s / max(w, 1e-6))))
         times[name] = []
     for r in range(max(reps.values())):
-        for name in names:
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             if r >= reps[name]:
                 continue
             module, fn = impls[name]
