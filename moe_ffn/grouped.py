@@ -760,18 +760,14 @@ def _ffn_setup_context(ctx, inputs, output):
     ctx.activation, ctx.gated = activation, gated
     ctx.with_bias = b1_EH is not None
     ctx.mark_non_differentiable(h_NH)
-    ctx.set_materialize_grads(False)  # (see _no_grad_in)
-
-
-def _no_grad_in(grad: Optional[Tensor]) -> bool:
     # Autograd would otherwise materialise a zero gradient for the kept first projection
     # h_NH ([N, H], the largest tensor of the op: 117 MiB for Mixtral fp32 at T = 2048) on every
     # backward, only for it to be ignored; with that off, an output nobody used arrives as None.
-    return grad is None
+    ctx.set_materialize_grads(False)
 
 
 def _ffn_backward_autograd(ctx, grad_ND, _grad_h):
-    if _no_grad_in(grad_ND):
+    if grad_ND is None:
         return (None,) * 8
     x_ND, h_NH, w1_EHD, w2_EDF, counts_E = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -852,11 +848,11 @@ def _routed_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED)
     ctx.activation, ctx.gated = activation, gated
     ctx.mark_non_differentiable(h_NH)
-    ctx.set_materialize_grads(False)  # (see _no_grad_in)
+    ctx.set_materialize_grads(False)  # (see _ffn_setup_context)
 
 
 def _routed_backward_autograd(ctx, grad_TD, _grad_h):
-    if _no_grad_in(grad_TD):
+    if grad_TD is None:
         return (None,) * 10
     x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED = ctx.saved_tensors
     with_bias = b2_ED is not None
