@@ -35,7 +35,8 @@ dtype too, so the result is the native low-precision computation with fp32 accum
 Very small blocks in forward (decode) keep the native GEMM: there the cost is reading the
 weights, and upcasting them would triple the bytes moved; when every block of a call is that
 small, both projections run through torch._grouped_mm (one C++ loop over the experts instead
-of ours in Python). float32 and float64 run unchanged.
+of ours in Python), or, when every block is one row, as torch.mv per block (the faster read of
+a bf16 weight). float32 and float64 run unchanged.
 """
 
 from __future__ import annotations
@@ -508,39 +509,60 @@ def _rows(src: Tensor, token_N: Optional[Tensor], first: int, last: int) -> Tens
     return src[first:last] if token_N is None else src.index_select(0, token_N[first:last])
 
 
-def _decode_on_grouped_mm(
-    x: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]], with_bias: bool, cdt: torch.dtype
-) -> bool:
-    """True for low-precision CPU calls whose blocks all stay on the native GEMM (decode-sized,
-    see _NATIVE_LOWP_MAX_ROWS): there the GEMMs are reads of the experts' weights and our
-    per-block Python (~20 µs a block) was a tenth of a bf16 decode step of 64 experts; torch's
-    grouped GEMM runs the same per-expert native GEMMs from one C++ loop (bf16 Mixtral decode
-    5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, measured on the 2-core EPYC)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and cdt != x.dtype
-        and not with_bias
-        and len(blocks) > 1
+def _decode_projection(
+    x: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]], counts_E, with_bias: bool, cdt: torch.dtype
+) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
+    """For low-precision CPU calls whose blocks all stay on the native GEMM (decode-sized, see
+    _NATIVE_LOWP_MAX_ROWS): how to run one projection over all blocks at once, as
+    `project(x_NI, w_EOI) → y_NO` (rows past the counted ones left unwritten); None elsewhere.
+
+    There the GEMMs are reads of the experts' weights, and our per-block Python (~20 µs a
+    block) was a tenth of a bf16 decode step of 64 experts. Blocks of one row each (every
+    step of a one-token decode) run as matrix-vector products: torch.mv reads a bf16 weight
+    ~10 % faster than the GEMM behind torch._grouped_mm (8 experts of the fine-grained shape,
+    cold caches, interleaved: 2.56–2.69 ms against 2.82–3.01; a plain read of the same bytes
+    2.14–2.48 ms). Otherwise torch's grouped GEMM runs the same per-expert native GEMMs from
+    one C++ loop (bf16 Mixtral decode 5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, against the
+    per-block loop; measured on the 2-core EPYC)."""
+    if not (
+        x.device.type == "cpu" and x.dtype == torch.bfloat16 and cdt != x.dtype and not with_bias and blocks
+    ):
+        return None
+    if all(stop - start == 1 for _, start, stop in blocks):
+        return functools.partial(_one_row_blocks, blocks=blocks)
+    if (
+        len(blocks) > 1
         and all(stop - start <= _NATIVE_LOWP_MAX_ROWS for _, start, stop in blocks)
         and w1_EHD.shape[1] % 8 == 0
         and _cpu_grouped_mm_available()
         and _grouped_mm_aligned(x, w1_EHD, w2_EDF)
-    )
+    ):
+        return functools.partial(_grouped_mm_blocks, offsets_E=counts_E.cumsum(0, dtype=torch.int32))
+    return None
 
 
-def _ffn_forward_grouped_mm(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, activation, gated, used, cdt):
-    """`_ffn_forward` for decode-sized low-precision blocks through torch._grouped_mm: the
-    same native GEMMs, activation rounding and fp32 weighted sum as the per-block loop.
-    Experts without rows are empty groups: their weights are not read."""
-    offsets_E = counts_E.cumsum(0, dtype=torch.int32)
+def _one_row_blocks(x_NI: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> Tensor:
+    y_NO = x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
+    for e, row, _ in blocks:
+        torch.mv(w_EOI[e], x_NI[row], out=y_NO[row])
+    return y_NO
+
+
+def _grouped_mm_blocks(x_NI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
+    return torch._grouped_mm(x_NI, w_EOI.transpose(1, 2), offs=offsets_E)
+
+
+def _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project):
+    """`_ffn_forward` for decode-sized low-precision blocks, one call of `project` per
+    projection (see _decode_projection): the same native GEMMs, activation rounding and fp32
+    weighted sum as the per-block loop. Experts without rows are not read."""
     x_ND = x if token_N is None else x.index_select(0, token_N)
-    h_NH = torch._grouped_mm(x_ND, w1_EHD.transpose(1, 2), offs=offsets_E)
+    h_NH = project(x_ND, w1_EHD)
     dropped = used < h_NH.shape[0]
     if dropped:
-        h_NH[used:].zero_()  # rows no expert holds: _grouped_mm leaves them unwritten
+        h_NH[used:].zero_()  # rows no expert holds: left unwritten
     a_NF = _hidden(h_NH.to(cdt), activation, gated, cdt).to(x.dtype)
-    y_ND = torch._grouped_mm(a_NF, w2_EDF.transpose(1, 2), offs=offsets_E)
+    y_ND = project(a_NF, w2_EDF)
     if token_N is None:
         if dropped:
             y_ND[used:].zero_()
@@ -565,8 +587,9 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     cdt = _compute_dtype(x)
     blocks = _row_blocks(counts_E, N)
     used = _rows_used(blocks)
-    if _decode_on_grouped_mm(x, w1_EHD, w2_EDF, blocks, b1_EH is not None, cdt):
-        return _ffn_forward_grouped_mm(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, activation, gated, used, cdt)
+    project = _decode_projection(x, w1_EHD, w2_EDF, blocks, counts_E, b1_EH is not None, cdt)
+    if project is not None:
+        return _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
     h_NH = _memory.empty(x, N, H)  # the first projection's output, kept for backward
     if used < N:
         h_NH[used:].zero_()

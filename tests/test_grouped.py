@@ -287,6 +287,60 @@ def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
     assert calls == [] and torch.isfinite(out).all()
 
 
+@pytest.mark.skipif(
+    grouped._compute_dtype(torch.empty(0, dtype=torch.bfloat16)) == torch.bfloat16,
+    reason="this CPU multiplies bf16 natively: no decode path",
+)
+@pytest.mark.parametrize("routed", [True, False])
+def test_bf16_one_row_blocks_run_as_matrix_vector_products(monkeypatch, routed):
+    """Blocks of one row each (a one-token decode step) go through torch.mv, two per block;
+    outputs and gradients are the per-block loop's, within bf16 rounding of float64; the
+    dropped last row stays zero and the idle expert (NaN weights) is never read."""
+    torch.manual_seed(8)
+    D, F, E = 16, 8, 4
+    counts = torch.tensor([1, 0, 1, 1])
+    token, weight = torch.tensor([2, 0, 1, 3]), torch.rand(4)
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    w1, w2 = torch.randn(E, 2 * F, D, dtype=torch.bfloat16), torch.randn(E, D, F, dtype=torch.bfloat16)
+    w1[1], w2[1] = float("nan"), float("nan")
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weight)]
+        if routed:
+            out = routed_ffn(*leaves[:3], counts, token, leaves[3], activation="silu", gated=True)
+        else:
+            out = grouped_ffn(*leaves[:3], counts, activation="silu", gated=True)
+        g = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        return out, torch.autograd.grad((out.float() * g).sum(), leaves[: 4 if routed else 3])
+
+    mv_calls = []
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *a, **k: mv_calls.append(1) or real_mv(*a, **k))
+    out, grads = run()
+    assert len(mv_calls) == 6
+    monkeypatch.setattr(grouped, "_decode_projection", lambda *args: None)
+    out_loop, loop_grads = run()
+    assert len(mv_calls) == 6  # the loop did not call it
+
+    ref = torch.zeros(out.shape, dtype=torch.float64)
+    for n, e in enumerate([0, 2, 3]):
+        h = w1[e].double() @ x[token[n] if routed else n].double()
+        y = w2[e].double() @ (torch.nn.functional.silu(h[:F]) * h[F:])
+        if routed:
+            ref[token[n]] += weight[n].double() * y
+        else:
+            ref[n] = y
+    scale = float(ref.abs().max())
+    assert (out.double() - ref).abs().max() <= 3e-2 * scale
+    torch.testing.assert_close(out, out_loop, atol=2e-2 * scale, rtol=0)
+    if not routed:
+        assert (out[3] == 0).all()
+    for name, a, b in zip(["x", "w1", "w2", "weight"], grads, loop_grads):
+        a, b = torch.nan_to_num(a.double()), torch.nan_to_num(b.double())
+        torch.testing.assert_close(a, b, atol=2e-2 * float(b.abs().max()), rtol=0, msg=name)
+    assert (grads[1][1] == 0).all() and (grads[2][1] == 0).all()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_decode_sized_blocks_match_float64(bias):
     """float32 blocks of 1, 3 and 12 rows against weights of 2^18–2^19 elements: the sizes at
