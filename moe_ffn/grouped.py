@@ -510,7 +510,13 @@ def _rows(src: Tensor, token_N: Optional[Tensor], first: int, last: int) -> Tens
 
 
 def _decode_projection(
-    x: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]], counts_E, with_bias: bool, cdt: torch.dtype
+    x: Tensor,
+    w1_EHD: Tensor,
+    w2_EDF: Tensor,
+    blocks: list[tuple[int, int, int]],
+    counts_E: Optional[Tensor],
+    with_bias: bool,
+    cdt: torch.dtype,
 ) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
     """For low-precision CPU calls whose blocks all stay on the native GEMM (decode-sized, see
     _NATIVE_LOWP_MAX_ROWS): how to run one projection over all blocks at once, as
