@@ -146,7 +146,6 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     test_grouped_ffn_matches_loop("silu", True)
 
 
-
 @pytest.mark.parametrize("routed", [False, True])
 def test_first_projection_runs_over_whole_blocks_when_the_rest_is_cut(monkeypatch, routed):
     """Cut into 2-row pieces, the forward still multiplies each expert's whole block by its
@@ -175,6 +174,7 @@ def test_first_projection_runs_over_whole_blocks_when_the_rest_is_cut(monkeypatc
         rows.append((act("silu", h[:, :F]) * h[:, F:]) @ w2[e].T)
     ref = torch.cat(rows) * (weight_N[:, None] if routed else 1)
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+
 
 @pytest.mark.parametrize("sliced", [False, True])
 def test_weight_gradients_written_by_accumulating_onto_zeros(monkeypatch, sliced):
