@@ -617,17 +617,17 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
             _linear_into(h_NH[start:stop], x_gD[start - first : stop - first], w1_EHD[e], b, cdt)
         del x_gD
         for piece in _groups(group, H, split=cdt == x.dtype):
-            first, last = piece[0][1], piece[-1][2]
-            a_pF = _hidden(h_NH[first:last].to(cdt), activation, gated, x.dtype)
-            y_pD = out[first:last] if token_N is None else x.new_empty(last - first, D)
+            lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
+            a_pF = _hidden(h_NH[lo:hi].to(cdt), activation, gated, x.dtype)
+            y_pD = out[lo:hi] if token_N is None else x.new_empty(hi - lo, D)
             for e, start, stop in piece:
                 b = None if b2_ED is None else b2_ED[e]
-                rows = slice(start - first, stop - first)
+                rows = slice(start - lo, stop - lo)
                 _linear_into(y_pD[rows], a_pF[rows], w2_EDF[e], b, cdt)
             del a_pF
             if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
-                y_pD = y_pD.to(weight_N.dtype).mul_(weight_N[first:last, None])
-                out.index_add_(0, token_N[first:last], y_pD)
+                y_pD = y_pD.to(weight_N.dtype).mul_(weight_N[lo:hi, None])
+                out.index_add_(0, token_N[lo:hi], y_pD)
             del y_pD
     return out, h_NH
 
