@@ -272,37 +272,52 @@ def active_cost(shape: Shape, T: int, active_experts: int, itemsize: int, backwa
     return flops, weight_bytes + io_bytes
 
 
-def run_case(impls, names, x, grad, backward, reps_max, budget_s):
-    """Warm up each implementation, then time them round-robin. Returns {name: [seconds]}.
+_WARMUP_MAX_CALLS = 5
 
-    Each implementation gets its own number of rounds, budget_s / its warm-up time, between
-    3 and reps_max (1 for a call longer than 3·budget_s): a slow implementation no longer cuts
-    the fast ones to one noisy run. Round r runs, in turn, every implementation that still
-    has rounds left, so load from other processes hits them alike; the order rotates by one
-    each round, so no implementation always runs after the same one (whose weights and
+
+def run_case(impls, names, x, grad, backward, reps_max, budget_s, warmup_s):
+    """Warm up each implementation, then time them round-robin.
+
+    Returns ({name: [seconds]}, {name: (warm-up calls, their seconds)}).
+
+    Warm-up runs in rounds like the timing: every implementation is called until its warm-up
+    calls add up to warmup_s (at least one call, at most _WARMUP_MAX_CALLS). One call is not
+    enough at small T: on the 2-core EPYC the first 2–4 forward+backward calls of an
+    implementation in a fresh process ran 1.5–3× its later ones (Mixtral fp32, T=16: moe_ffn
+    576, 455, 406, then 188–201 ms; transformers' grouped_mm 500, 682, then 420–627 ms), and
+    with 3–5 timed rounds those calls set the median.
+    Each implementation then gets its own number of rounds, budget_s / its last warm-up call,
+    between 3 and reps_max (1 for a call longer than 3·budget_s): a slow implementation does
+    not cut the fast ones to one noisy run. Round r runs, in turn, every implementation that
+    still has rounds left, so load from other processes hits them alike; the order rotates by
+    one each round, so no implementation always runs after the same one (whose weights and
     temporaries it would find in, or evicted from, the cache).
     """
-    times = {}
-    warm = {}
-    for name in names:
+    def call(name):
         module, fn = impls[name]
         t0 = time.perf_counter()
         _step(module, fn, x, grad, backward)
-        warm[name] = time.perf_counter() - t0
-    reps = {}
-    for name, w in warm.items():
+        return time.perf_counter() - t0
+
+    warm = {name: [] for name in names}
+    for r in range(_WARMUP_MAX_CALLS):
+        shift = r % len(names)
+        due = [n for n in names[shift:] + names[:shift] if not warm[n] or sum(warm[n]) < warmup_s]
+        if not due:
+            break
+        for name in due:
+            warm[name].append(call(name))
+    reps, times = {}, {}
+    for name, calls in warm.items():
+        w = calls[-1]
         reps[name] = 1 if w > 3 * budget_s else max(3, min(reps_max, int(budget_s / max(w, 1e-6))))
         times[name] = []
     for r in range(max(reps.values())):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            if r >= reps[name]:
-                continue
-            module, fn = impls[name]
-            t0 = time.perf_counter()
-            _step(module, fn, x, grad, backward)
-            times[name].append(time.perf_counter() - t0)
-    return times, warm
+            if r < reps[name]:
+                times[name].append(call(name))
+    return times, {name: (len(calls), sum(calls)) for name, calls in warm.items()}
 
 
 # --- the grid ------------------------------------------------------------------------------
@@ -365,7 +380,9 @@ def bench(args) -> dict:
                                 )
                                 continue
                         run_names.append(name)
-                    times, warm = run_case(impls, run_names, x, grad, backward, args.reps, args.budget_s)
+                    times, warm = run_case(
+                        impls, run_names, x, grad, backward, args.reps, args.budget_s, args.warmup_s
+                    )
                     with torch.no_grad():
                         impls["moe_ffn"][1](x.detach())
                     counts_E = impls["moe_ffn"][0].stats.tokens_per_expert_E
@@ -379,7 +396,8 @@ def bench(args) -> dict:
                         row = {
                             "config": shape_name, "dtype": dtype_name, "pass": pass_name, "T": T,
                             "impl": name, "median_s": med, "runs": len(times[name]),
-                            "warmup_s": warm[name], "tokens_per_s": T / med,
+                            "warmup_calls": warm[name][0], "warmup_s": warm[name][1],
+                            "tokens_per_s": T / med,
                             "gflops": flops / med / 1e9, "active_experts": active,
                             "flops": flops, "bytes": nbytes,
                         }
@@ -448,7 +466,7 @@ def dense_check(args) -> list[dict]:
             backward = pass_name == "fwd+bwd"
             x = torch.randn(T, D, dtype=dtype, requires_grad=backward)
             grad = torch.randn(T, D, dtype=dtype)
-            times, _ = run_case(impls, list(impls), x, grad, backward, args.reps, args.budget_s)
+            times, _ = run_case(impls, list(impls), x, grad, backward, args.reps, args.budget_s, args.warmup_s)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = {"dtype": dtype_name, "pass": pass_name, "dim": D, "hidden_dim": hidden, "T": T,
                    "swiglu_s": med["SwiGLU"], "nn_linear_s": med["nn.Linear"],
@@ -621,6 +639,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=None)
     p.add_argument("--reps", type=int, default=None, help="most timed rounds per case")
     p.add_argument("--budget-s", type=float, default=None, help="seconds of timed rounds per implementation")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of warm-up calls per implementation and case (1 to %d calls)" % _WARMUP_MAX_CALLS)
     p.add_argument("--cap-s", type=float, default=None,
                    help="skip an implementation at a size whose predicted time per call exceeds this")
     p.add_argument("--no-dense-check", action="store_true")
@@ -644,6 +664,8 @@ def main(argv=None) -> None:
     args.reps = args.reps or (5 if args.quick else 11)
     args.budget_s = args.budget_s or (1.0 if args.quick else 3.0)
     args.cap_s = args.cap_s or (15.0 if args.quick else 40.0)
+    if args.warmup_s is None:
+        args.warmup_s = 0.5 if args.quick else 2.0
     args.memory_tokens = set(args.tokens)
     torch.set_num_threads(torch.get_num_threads())
 
