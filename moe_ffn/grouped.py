@@ -135,6 +135,12 @@ _W_XT_LARGE_WEIGHT = 1 << 21
 # 3021 → 2839, 3210 → 3124, 3696 → 3079 ms. At 64 rows the two were level.
 _WIDE_SGEMM_MIN_ROWS = 256
 _WIDE_RATIO = 2.5
+# Below that, from 32 rows, the same product runs fastest as W·gᵀ (sgemm on the two
+# transposed views, its [F, rows] result transposed by the caller's copy): Mixtral's
+# 1024×3584 down projection, 8 experts, weights cycling, oneDNN against W·gᵀ in ms:
+# 32 rows 42.6 / 36.4, 48: 56.6 / 41.2, 64: 62–66 / 49–59, 128: 104–121 / 89–91,
+# 192: 148 / 137; at 16–24 rows they are level, at 255 oneDNN leads (193 / 217).
+_WIDE_W_XT_ROWS = (32, 192)
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
@@ -143,9 +149,10 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
         return F.linear(x, w, b)
-    if rows >= _WIDE_SGEMM_MIN_ROWS and w.shape[0] >= _WIDE_RATIO * w.shape[1] and not w.is_contiguous():
-        return F.linear(x, w, b)  # g·W into a wide result: sgemm (see _WIDE_SGEMM_MIN_ROWS)
-    if (
+    wide_gw = w.shape[0] >= _WIDE_RATIO * w.shape[1] and not w.is_contiguous()  # g·W, wide result
+    if wide_gw and rows >= _WIDE_SGEMM_MIN_ROWS:
+        return F.linear(x, w, b)  # sgemm (see _WIDE_SGEMM_MIN_ROWS)
+    if (wide_gw and _WIDE_W_XT_ROWS[0] <= rows < _WIDE_W_XT_ROWS[1]) or (
         _W_XT_ROWS[0] <= rows <= _W_XT_ROWS[1]
         and w.is_contiguous()
         and w.numel() >= _ONEDNN_MIN_WEIGHT_ONE_ROW

@@ -370,6 +370,22 @@ def test_wide_input_gradients_on_sgemm_match_float64(monkeypatch):
     _float32_blocks_match_float64(torch.tensor([1, 9, 0, 12]), 128, 384, bias=False)
 
 
+
+def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch):
+    """Between grouped._WIDE_W_XT_ROWS (forced to 8–16 rows here) the down projection's input
+    gradient runs as W·gᵀ on the transposed weight view: taken for the 9- and 12-row blocks,
+    not for the 1-row one, and the float64 loop's gradients come out."""
+    monkeypatch.setattr(grouped, "_WIDE_W_XT_ROWS", (8, 16))
+    calls = []
+    real = torch.mm
+    def spy(a, b, *args, **kwargs):
+        if tuple(a.shape) == (384, 128) and not a.is_contiguous():
+            calls.append(b.shape[1])
+        return real(a, b, *args, **kwargs)
+    monkeypatch.setattr(torch, "mm", spy)
+    _float32_blocks_match_float64(torch.tensor([1, 9, 0, 12]), 128, 384, bias=False)
+    assert sorted(calls) == [9, 12]
+
 def _float32_blocks_match_float64(counts, D, F, bias):
     torch.manual_seed(11)
     E = counts.numel()
