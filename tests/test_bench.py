@@ -1,0 +1,134 @@
+"""profiling/bench.py's bookkeeping: warm-up and round counts, the roofline's FLOPs and bytes,
+and the verdicts on the issue's targets. Times come from a fake clock, so nothing here is
+timed; the numbers checked are worked out by hand in each test."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+_PATH = Path(__file__).resolve().parents[1] / "profiling" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("moe_ffn_bench", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+class _Clock:
+    """perf_counter for the bench: advanced only by the fake implementations' calls."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _impls(clock, durations):
+    """name -> (module, fn); the k-th call of `name` takes durations[name][k] seconds (the last
+    entry repeats). Returns the impls and the list the calls are logged to."""
+    log = []
+
+    def make(name):
+        def fn(x):
+            k = sum(1 for n in log if n == name)
+            log.append(name)
+            clock.now += durations[name][min(k, len(durations[name]) - 1)]
+            return x * 1.0
+
+        return nn.Linear(1, 1), fn
+
+    return {name: make(name) for name in durations}, log
+
+
+def _run(bench, monkeypatch, durations, warmup_s, budget_s=3.0, reps_max=11):
+    clock = _Clock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock.perf_counter)
+    impls, log = _impls(clock, durations)
+    x = torch.ones(2, 1)
+    times, warm = bench.run_case(impls, list(durations), x, torch.ones(2, 1), False, reps_max, budget_s, warmup_s)
+    return times, warm, log
+
+
+def test_warm_up_runs_each_implementation_until_its_calls_fill_the_warm_up_time(bench, monkeypatch):
+    # fast: 0.5 s calls, 4 fill 2 s; slow: one 2.5 s call fills it; cold: 1.5 s then 0.2 s
+    # calls, 1.5 + 0.2 + 0.2 + 0.2 = 2.1 s after 4.
+    times, warm, log = _run(bench, monkeypatch, {"fast": [0.5], "slow": [2.5], "cold": [1.5, 0.2]}, warmup_s=2.0)
+    assert warm["fast"] == (4, pytest.approx(2.0))
+    assert warm["slow"] == (1, pytest.approx(2.5))
+    assert warm["cold"] == (4, pytest.approx(2.1))
+    # Rounds from the last warm-up call: 3 s / 0.5 = 6, 3 s / 2.5 → at least 3, 3 s / 0.2 = 15 → 11.
+    assert [len(times[n]) for n in ("fast", "slow", "cold")] == [6, 3, 11]
+    assert times["cold"] == [pytest.approx(0.2)] * 11
+    # warm-up in rounds, each rotated by one: the first round runs fast, slow, cold.
+    assert log[:3] == ["fast", "slow", "cold"] and log[3:5] == ["cold", "fast"]
+
+
+def test_no_warm_up_time_means_one_warm_up_call(bench, monkeypatch):
+    _, warm, _ = _run(bench, monkeypatch, {"a": [0.1], "b": [0.3]}, warmup_s=0.0)
+    assert warm == {"a": (1, pytest.approx(0.1)), "b": (1, pytest.approx(0.3))}
+
+
+def test_warm_up_stops_at_its_call_limit(bench, monkeypatch):
+    _, warm, _ = _run(bench, monkeypatch, {"tiny": [0.001]}, warmup_s=10.0)
+    assert warm["tiny"][0] == bench._WARMUP_MAX_CALLS
+
+
+def test_a_call_longer_than_three_budgets_is_timed_once(bench, monkeypatch):
+    times, _, _ = _run(bench, monkeypatch, {"huge": [10.0]}, warmup_s=2.0, budget_s=3.0)
+    assert times["huge"] == [pytest.approx(10.0)]
+
+
+def test_active_cost_counts_the_active_experts_flops_and_bytes(bench):
+    mixtral = bench.SHAPES["mixtral"]  # D=1024, F=3584, k=2
+    flops, nbytes = bench.active_cost(mixtral, 16, 8, 4, backward=False, dense=False)
+    assert flops == 2 * 16 * 2 * 3 * 1024 * 3584 == 704_643_072
+    assert nbytes == 8 * 3 * 1024 * 3584 * 4 + 2 * 16 * 1024 * 4 == 352_452_608
+    flops, nbytes = bench.active_cost(mixtral, 16, 8, 4, backward=True, dense=False)
+    assert flops == 3 * 704_643_072
+    assert nbytes == 3 * 8 * 3 * 1024 * 3584 * 4 + 2 * 2 * 16 * 1024 * 4
+    # the dense k·F block reads k experts' worth of weights whatever the routing
+    _, nbytes = bench.active_cost(mixtral, 1, 1, 2, backward=False, dense=True)
+    assert nbytes == 2 * 3 * 1024 * 3584 * 2 + 2 * 1024 * 2
+
+
+def test_roofline_is_the_slower_of_compute_and_memory(bench):
+    ceilings = {"gemm_fp32_gflops": 100.0, "gemm_best_gflops": 100.0, "bandwidth_gbs": 10.0}
+    row = {"dtype": "fp32", "flops": 2e9, "bytes": 1e8, "median_s": 0.04}  # 20 ms of GEMM, 10 ms of memory
+    bench._add_roofline(row, ceilings)
+    assert row["roofline_s"] == pytest.approx(0.02) and row["frac_roofline"] == pytest.approx(0.5)
+    row = {"dtype": "fp32", "flops": 1e8, "bytes": 1e9, "median_s": 0.2}  # 1 ms of GEMM, 100 ms of memory
+    bench._add_roofline(row, ceilings)
+    assert row["roofline_s"] == pytest.approx(0.1) and row["frac_roofline"] == pytest.approx(0.5)
+
+
+def _row(impl, T, median_s, roofline_s=None, pass_name="fwd+bwd", frac=0.9):
+    return {"config": "mixtral", "dtype": "fp32", "pass": pass_name, "T": T, "impl": impl,
+            "median_s": median_s, "roofline_s": roofline_s, "frac_roofline": frac, "frac_best": frac}
+
+
+def test_targets_scale_the_2x_goal_by_what_the_roofline_leaves(bench):
+    rows = [
+        # T=16: transformers at 1.0 s, roofline 0.2 s leaves 5× → the goal is 2×; 0.45 s is 2.22×.
+        _row("moe_ffn", 16, 0.45, 0.2), _row("hf_grouped_mm", 16, 1.0), _row("hf_eager", 16, 3.0),
+        # T=256: transformers at 0.5 s, roofline 0.25 s leaves 2× → goal 0.75·2 = 1.5×; 0.4 s is 1.25×.
+        _row("moe_ffn", 256, 0.4, 0.25), _row("hf_grouped_mm", 256, 0.5),
+        # forward T=1 at 0.9× of transformers: "never slower" is missed.
+        _row("moe_ffn", 1, 1.0, 0.5, "fwd"), _row("hf_grouped_mm", 1, 0.9, None, "fwd"),
+    ]
+    bench._add_speedups(rows)
+    text = bench.targets({"rows": rows})
+    assert "- MISSED: never slower than the faster transformers path (slower at 1 of 3 cases: mixtral fp32 fwd 1 ×0.90)" in text
+    assert "- met: mixtral fp32 fwd+bwd T=16: ×2.22 over hf_grouped_mm (target ×2.00; the roofline allows ×5.0)" in text
+    assert "- MISSED: mixtral fp32 fwd+bwd T=256: ×1.25 over hf_grouped_mm (target ×1.50; the roofline allows ×2.0)" in text
