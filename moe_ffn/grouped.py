@@ -141,6 +141,14 @@ _WIDE_RATIO = 2.5
 # 32 rows 42.6 / 36.4, 48: 56.6 / 41.2, 64: 62–66 / 49–59, 128: 104–121 / 89–91,
 # 192: 148 / 137; at 16–24 rows they are level, at 255 oneDNN leads (193 / 217).
 _WIDE_W_XT_ROWS = (32, 192)
+# Input gradients g·W from one or two rows run on a single thread in MKL's sgemm and in
+# oneDNN, reading W at ~5–7 GB/s where both cores read ~14. Split along W's rows into two
+# halves, as a batch of two products that torch.bmm runs one per core, summed after: per
+# expert of the fine-grained shape (1024×1024 and 1024×512 weights, 56 cycling) 2 rows
+# 44 → 27 and 23.9 → 14.6 ms, 1 row 26.1 → 19.1 and 15.4 → 10.1; Mixtral's 7168×1024 and
+# 1024×3584, 1–2 rows, 21.6–36 → 16–27 and 8.8–12.5 → 5.2–8.9 ms. From 4 rows it is no
+# longer steadily ahead (1024×1024 at 4–16 rows: 43–52 → 49–64 ms).
+_SPLIT_INNER_MAX_ROWS = 2
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
@@ -149,6 +157,10 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
         return F.linear(x, w, b)
+    if rows <= _SPLIT_INNER_MAX_ROWS and b is None and w.t().is_contiguous() and w.shape[1] % 2 == 0:
+        half = w.shape[1] // 2  # g·W on both cores (see _SPLIT_INNER_MAX_ROWS)
+        y_2MO = torch.bmm(x.reshape(rows, 2, half).transpose(0, 1), w.t().view(2, half, w.shape[0]))
+        return torch.add(y_2MO[0], y_2MO[1])
     wide_gw = w.shape[0] >= _WIDE_RATIO * w.shape[1] and not w.is_contiguous()  # g·W, wide result
     if wide_gw and rows >= _WIDE_SGEMM_MIN_ROWS:
         return F.linear(x, w, b)  # sgemm (see _WIDE_SGEMM_MIN_ROWS)

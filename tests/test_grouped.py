@@ -386,6 +386,18 @@ def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch
     _float32_blocks_match_float64(torch.tensor([1, 9, 0, 12]), 128, 384, bias=False)
     assert sorted(calls) == [9, 12]
 
+
+def test_input_gradients_from_one_or_two_rows_split_the_inner_dim_and_match_float64(monkeypatch):
+    """g·W from 1–2 rows (grouped._SPLIT_INNER_MAX_ROWS) runs as a batch of two half products:
+    taken for the 1- and 2-row blocks' two input gradients (through W2, then W1), not for the
+    3-row block, and the float64 loop's outputs and gradients come out."""
+    calls = []
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b, *args, **kw: calls.append(tuple(b.shape)) or real(a, b, *args, **kw))
+    _float32_blocks_match_float64(torch.tensor([1, 2, 0, 3]), 64, 96, bias=False)
+    # through W2 ([64, 96]): halves of its 64 rows; through W1 ([192, 64]): halves of 192
+    assert sorted(calls) == [(2, 32, 96)] * 2 + [(2, 96, 64)] * 2
+
 def _float32_blocks_match_float64(counts, D, F, bias):
     torch.manual_seed(11)
     E = counts.numel()
