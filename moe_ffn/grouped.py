@@ -780,8 +780,7 @@ def _(x_ND, w1_EHD, w2_EDF, counts_E, b1_EH, b2_ED, activation, gated):
     return x_ND.new_empty(N, w2_EDF.shape[1]), x_ND.new_empty(N, w1_EHD.shape[1])
 
 
-@torch.library.custom_op("moe_ffn::grouped_ffn_backward", mutates_args=())
-def _grouped_ffn_backward_op(
+def _grouped_ffn_backward(
     grad_ND: Tensor,
     x_ND: Tensor,
     h_NH: Tensor,
@@ -802,6 +801,11 @@ def _grouped_ffn_backward_op(
     return grads[:5]
 
 
+_grouped_ffn_backward_op = torch.library.custom_op("moe_ffn::grouped_ffn_backward", mutates_args=())(
+    _grouped_ffn_backward
+)
+
+
 @_grouped_ffn_backward_op.register_fake
 def _(grad_ND, x_ND, h_NH, w1_EHD, w2_EDF, counts_E, activation, gated, need_x, need_w, with_bias):
     return _fake_grads(x_ND, h_NH, w1_EHD, w2_EDF, need_x, need_w, with_bias)
@@ -820,7 +824,7 @@ def _ffn_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _ffn_backward_autograd(ctx, grad_ND, _grad_h):
+def _ffn_backward_autograd(ctx, grad_ND, _grad_h, run=_grouped_ffn_backward_op):
     if grad_ND is None:
         return (None,) * 8
     x_ND, h_NH, w1_EHD, w2_EDF, counts_E = ctx.saved_tensors
@@ -829,7 +833,7 @@ def _ffn_backward_autograd(ctx, grad_ND, _grad_h):
     need_w = need[1] or need[2] or (ctx.with_bias and (need[4] or need[5]))
     if not (need_x or need_w):
         return None, None, None, None, None, None, None, None
-    gx, gw1, gw2, gb1, gb2 = _grouped_ffn_backward_op(
+    gx, gw1, gw2, gb1, gb2 = run(
         grad_ND.contiguous(), x_ND, h_NH, w1_EHD, w2_EDF, counts_E,
         ctx.activation, ctx.gated, need_x, need_w, ctx.with_bias,
     )
@@ -866,8 +870,7 @@ def _(x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activatio
     return weight_N.new_empty(x_TD.shape), x_TD.new_empty(token_N.shape[0], w1_EHD.shape[1])
 
 
-@torch.library.custom_op("moe_ffn::routed_ffn_backward", mutates_args=())
-def _routed_ffn_backward_op(
+def _routed_ffn_backward(
     grad_TD: Tensor,
     x_TD: Tensor,
     h_NH: Tensor,
@@ -890,6 +893,11 @@ def _routed_ffn_backward_op(
     )
 
 
+_routed_ffn_backward_op = torch.library.custom_op("moe_ffn::routed_ffn_backward", mutates_args=())(
+    _routed_ffn_backward
+)
+
+
 @_routed_ffn_backward_op.register_fake
 def _(grad_TD, x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED, activation, gated, need_x, need_w, need_weight):
     grads = _fake_grads(x_TD, h_NH, w1_EHD, w2_EDF, need_x, need_w, b2_ED is not None)
@@ -905,7 +913,7 @@ def _routed_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (see _ffn_setup_context)
 
 
-def _routed_backward_autograd(ctx, grad_TD, _grad_h):
+def _routed_backward_autograd(ctx, grad_TD, _grad_h, run=_routed_ffn_backward_op):
     if grad_TD is None:
         return (None,) * 10
     x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED = ctx.saved_tensors
@@ -915,7 +923,7 @@ def _routed_backward_autograd(ctx, grad_TD, _grad_h):
     need_w = need[1] or need[2] or (with_bias and (need[6] or need[7]))
     if not (need_x or need_w or need_weight):
         return (None,) * 10
-    gx, gw1, gw2, gb1, gb2, gweight = _routed_ffn_backward_op(
+    gx, gw1, gw2, gb1, gb2, gweight = run(
         grad_TD.contiguous(), x_TD, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED,
         ctx.activation, ctx.gated, need_x, need_w, need_weight,
     )
@@ -937,9 +945,12 @@ _routed_ffn_op.register_autograd(_routed_backward_autograd, setup_context=_route
 
 
 # Eager calls skip the custom-op dispatcher: its Python layers cost ~90 µs per call here, a
-# tenth of a whole decode step of a small MoE. These Functions run the same forward, and the
-# same backward (through the backward ops), as the registrations above; torch.compile, which
-# needs the ops, still gets them (`_call`).
+# tenth of a whole decode step of a small MoE, and the first call through a custom op in a
+# process imports torch._dynamo (2.5–3.5 s on the 2-core EPYC; it used to land on the first
+# backward). These Functions run the same forward and backward as the registrations above,
+# calling their Python implementations; a backward that records a graph (create_graph=True)
+# still goes through the backward op, as the registered autograd does, and torch.compile,
+# which needs the ops, still gets them (`_call`).
 # (forward takes ctx itself: with a separate setup_context, Function.apply runs
 # inspect.signature on every call.)
 class _GroupedFFNEager(torch.autograd.Function):
@@ -953,7 +964,10 @@ class _GroupedFFNEager(torch.autograd.Function):
         _ffn_setup_context(ctx, inputs, outputs)
         return outputs
 
-    backward = staticmethod(_ffn_backward_autograd)
+    @staticmethod
+    def backward(ctx, grad_ND, grad_h):
+        run = _grouped_ffn_backward_op if torch.is_grad_enabled() else _grouped_ffn_backward
+        return _ffn_backward_autograd(ctx, grad_ND, grad_h, run)
 
 
 class _RoutedFFNEager(torch.autograd.Function):
@@ -965,7 +979,10 @@ class _RoutedFFNEager(torch.autograd.Function):
         _routed_setup_context(ctx, inputs, outputs)
         return outputs
 
-    backward = staticmethod(_routed_backward_autograd)
+    @staticmethod
+    def backward(ctx, grad_TD, grad_h):
+        run = _routed_ffn_backward_op if torch.is_grad_enabled() else _routed_ffn_backward
+        return _routed_backward_autograd(ctx, grad_TD, grad_h, run)
 
 
 def _call(op, eager: type[torch.autograd.Function], *inputs):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -19,6 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from moe_ffn import MoE, SwiGLU
 from moe_ffn.grouped import grouped_ffn
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # T tokens, D model dim, F hidden, E experts, K top-k: small, but E·T·D stands apart from
 # every legitimate size (N·D, N·2F, one expert's weights, the weight gradients E·2F·D).
@@ -279,6 +283,38 @@ def test_op_count_probe_catches_a_token_loop():
     per_token = lambda n: [row * 2 for row in x[:n]]  # noqa: E731
     assert _op_count(lambda: per_token(8)) > _op_count(lambda: per_token(2))
 
+
+
+_FIRST_STEP = """
+import sys, torch
+from moe_ffn import MoE, SwiGLU
+torch.manual_seed(0)
+x = torch.randn(8, 16, requires_grad=True)
+for block in (MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2), SwiGLU(dim=16, hidden_dim=8)):
+    block(x).square().sum().backward()
+assert block.gate_up_proj.grad is not None and x.grad is not None
+print("torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("through_op", [False, True])
+def test_eager_training_step_does_not_import_the_compiler(through_op):
+    """The first eager forward+backward in a fresh process stays off the custom-op dispatcher,
+    whose first call imports torch._dynamo (2.5–3.5 s on the 2-core EPYC). The probe is
+    shown to catch it: calling the backward op, as the eager backward used to, imports it."""
+    script = _FIRST_STEP
+    if through_op:
+        script = script.replace("print(", (
+            "from moe_ffn import grouped\n"
+            "ones = torch.ones(2, 16)\n"
+            "grouped._grouped_ffn_backward_op(ones, ones, ones, block.gate_up_proj.detach(), "
+            "block.down_proj.detach(), None, 'silu', True, True, True, False)\n"
+            "print("
+        ))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(through_op)
 
 # --- the bf16 path on CPU (fp32 products, bf16 results) ---------------------------------------
 
