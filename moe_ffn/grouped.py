@@ -314,10 +314,7 @@ def _mm_rows(out: Tensor, a: Tensor, b: Tensor, add: bool) -> None:
 
 # --- grouped_linear ----------------------------------------------------------------------
 
-@torch.library.custom_op("moe_ffn::grouped_linear", mutates_args=())
-def _grouped_linear_op(
-    x_NI: Tensor, w_EOI: Tensor, counts_E: Tensor, bias_EO: Optional[Tensor]
-) -> Tensor:
+def _grouped_linear(x_NI: Tensor, w_EOI: Tensor, counts_E: Tensor, bias_EO: Optional[Tensor]) -> Tensor:
     N, O = x_NI.shape[0], w_EOI.shape[1]
     if _use_torch_grouped_mm(x_NI, w_EOI):  # CUDA path: no host sync at all
         offsets_E = counts_E.cumsum(0).to(torch.int32)
@@ -337,13 +334,15 @@ def _grouped_linear_op(
     return y_NO
 
 
+_grouped_linear_op = torch.library.custom_op("moe_ffn::grouped_linear", mutates_args=())(_grouped_linear)
+
+
 @_grouped_linear_op.register_fake
 def _(x_NI, w_EOI, counts_E, bias_EO):
     return x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
 
 
-@torch.library.custom_op("moe_ffn::grouped_linear_wgrad", mutates_args=())
-def _grouped_linear_wgrad_op(
+def _grouped_linear_wgrad(
     x_NI: Tensor, grad_NO: Tensor, counts_E: Tensor, num_experts: int, with_bias: bool
 ) -> tuple[Tensor, Tensor]:
     E, I, O = num_experts, x_NI.shape[1], grad_NO.shape[1]
@@ -358,6 +357,11 @@ def _grouped_linear_wgrad_op(
     return grad_w_EOI, grad_b_EO
 
 
+_grouped_linear_wgrad_op = torch.library.custom_op("moe_ffn::grouped_linear_wgrad", mutates_args=())(
+    _grouped_linear_wgrad
+)
+
+
 @_grouped_linear_wgrad_op.register_fake
 def _(x_NI, grad_NO, counts_E, num_experts, with_bias):
     O, I = grad_NO.shape[1], x_NI.shape[1]
@@ -370,14 +374,14 @@ def _setup_context(ctx, inputs, output):
     ctx.with_bias = bias_EO is not None
 
 
-def _backward(ctx, grad_NO):
+def _backward(ctx, grad_NO, linear=_grouped_linear_op, wgrad=_grouped_linear_wgrad_op):
     x_NI, w_EOI, counts_E = ctx.saved_tensors
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
         # dX[block e] = dY[block e] · W[e]: the forward op on W transposed to [E, I, O].
-        grad_x = _grouped_linear_op(grad_NO, w_EOI.transpose(1, 2), counts_E, None)
+        grad_x = linear(grad_NO, w_EOI.transpose(1, 2), counts_E, None)
     if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[3]):
-        grad_w, grad_b = _grouped_linear_wgrad_op(
+        grad_w, grad_b = wgrad(
             x_NI, grad_NO, counts_E, w_EOI.shape[0], ctx.with_bias
         )
         if not ctx.with_bias:
@@ -386,6 +390,25 @@ def _backward(ctx, grad_NO):
 
 
 _grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _GroupedLinearEager(torch.autograd.Function):
+    """grouped_linear's eager path: the op's forward and backward without the custom-op
+    dispatcher (see the note above _GroupedFFNEager)."""
+
+    compute = staticmethod(_grouped_linear)
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        y_NO = _grouped_linear(*inputs)
+        _setup_context(ctx, inputs, y_NO)
+        return y_NO
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        if torch.is_grad_enabled():  # records a graph: the ops, differentiable again
+            return _backward(ctx, grad_NO)
+        return _backward(ctx, grad_NO, _grouped_linear, _grouped_linear_wgrad)
 
 
 def _autocast_inputs(x: Tensor, *tensors: Optional[Tensor]) -> tuple:
@@ -425,7 +448,7 @@ def grouped_linear(
         return F.linear(x_NI, w_EOI[0], None if bias_EO is None else bias_EO[0])
     x_NI, w_EOI, bias_EO = _autocast_inputs(x_NI, w_EOI, bias_EO)
     _check_dtypes(x_NI, w_EOI)
-    return _grouped_linear_op(x_NI, w_EOI, counts_E, bias_EO)
+    return _call(_grouped_linear_op, _GroupedLinearEager, x_NI, w_EOI, counts_E, bias_EO)
 
 
 # --- grouped_ffn -------------------------------------------------------------------------

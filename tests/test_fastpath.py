@@ -287,11 +287,13 @@ def test_op_count_probe_catches_a_token_loop():
 
 _FIRST_STEP = """
 import sys, torch
-from moe_ffn import MoE, SwiGLU
+from moe_ffn import MoE, SwiGLU, grouped_linear
 torch.manual_seed(0)
 x = torch.randn(8, 16, requires_grad=True)
 for block in (MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2), SwiGLU(dim=16, hidden_dim=8)):
     block(x).square().sum().backward()
+w = torch.randn(3, 4, 16, requires_grad=True)
+grouped_linear(x, w, torch.tensor([5, 0, 3])).square().sum().backward()
 assert block.gate_up_proj.grad is not None and x.grad is not None
 print("torch._dynamo" in sys.modules)
 """
@@ -299,9 +301,10 @@ print("torch._dynamo" in sys.modules)
 
 @pytest.mark.parametrize("through_op", [False, True])
 def test_eager_training_step_does_not_import_the_compiler(through_op):
-    """The first eager forward+backward in a fresh process stays off the custom-op dispatcher,
-    whose first call imports torch._dynamo (2.5–3.5 s on the 2-core EPYC). The probe is
-    shown to catch it: calling the backward op, as the eager backward used to, imports it."""
+    """The first eager forward+backward in a fresh process (MoE, SwiGLU, grouped_linear) stays
+    off the custom-op dispatcher, whose first call imports torch._dynamo (2.5–3.5 s on the
+    2-core EPYC). The probe is shown to catch it: calling a backward op, as the eager
+    backward used to, imports it."""
     script = _FIRST_STEP
     if through_op:
         script = script.replace("print(", (
