@@ -392,6 +392,12 @@ def _backward(ctx, grad_NO, linear=_grouped_linear_op, wgrad=_grouped_linear_wgr
 _grouped_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _backward_impl(op, impl):
+    """What an eager Function's backward runs: the Python implementation, or the op when the
+    backward records a graph (create_graph=True; the ops keep their registered derivatives)."""
+    return op if torch.is_grad_enabled() else impl
+
+
 class _GroupedLinearEager(torch.autograd.Function):
     """grouped_linear's eager path: the op's forward and backward without the custom-op
     dispatcher (see the note above _GroupedFFNEager)."""
@@ -406,9 +412,9 @@ class _GroupedLinearEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_NO):
-        if torch.is_grad_enabled():  # records a graph: the ops, differentiable again
-            return _backward(ctx, grad_NO)
-        return _backward(ctx, grad_NO, _grouped_linear, _grouped_linear_wgrad)
+        linear = _backward_impl(_grouped_linear_op, _grouped_linear)
+        wgrad = _backward_impl(_grouped_linear_wgrad_op, _grouped_linear_wgrad)
+        return _backward(ctx, grad_NO, linear, wgrad)
 
 
 def _autocast_inputs(x: Tensor, *tensors: Optional[Tensor]) -> tuple:
@@ -989,7 +995,7 @@ class _GroupedFFNEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ND, grad_h):
-        run = _grouped_ffn_backward_op if torch.is_grad_enabled() else _grouped_ffn_backward
+        run = _backward_impl(_grouped_ffn_backward_op, _grouped_ffn_backward)
         return _ffn_backward_autograd(ctx, grad_ND, grad_h, run)
 
 
@@ -1004,7 +1010,7 @@ class _RoutedFFNEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TD, grad_h):
-        run = _routed_ffn_backward_op if torch.is_grad_enabled() else _routed_ffn_backward
+        run = _backward_impl(_routed_ffn_backward_op, _routed_ffn_backward)
         return _routed_backward_autograd(ctx, grad_TD, grad_h, run)
 
 
