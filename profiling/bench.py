@@ -19,6 +19,11 @@ What it does, in one run:
    same one; the median over rounds is reported.
 3. Writes results/bench.{md,json,png} and the table into profiling/README.md.
 
+On a GPU (`--device cuda`) the same grid runs there: every timed call ends with a device
+synchronisation, the GEMM probe uses 8192² products, rates are given in TFLOP/s, peak memory
+comes from torch.cuda.max_memory_allocated, and the results go to results/bench_cuda.* (the
+README keeps the CPU table).
+
 Definitions (also in README.md):
 - forward runs under torch.no_grad (inference); forward+backward calls y.backward(g) with
   parameter gradients reset to None before each call (a training step that allocates them).
@@ -91,17 +96,25 @@ IMPLS = ("moe_ffn", "hf_eager", "hf_grouped_mm", "dense", "dense_nn")
 
 # --- ceilings -----------------------------------------------------------------------------
 
-def _median_time(fn, reps: int) -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: a GPU call returns before its kernels finish."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, reps: int, device: torch.device) -> float:
     fn()
+    _sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def measure_ceilings(quick: bool) -> dict:
+def measure_ceilings(quick: bool, device: torch.device = torch.device("cpu")) -> dict:
     """GEMM rate per dtype (square n×n products) and copy bandwidth, measured now.
 
     The GEMM rate of a dtype is its best over the layouts a@b and a@bᵀ: on some CPUs one
@@ -109,25 +122,26 @@ def measure_ceilings(quick: bool) -> dict:
     one is measured at n=2048, so a very slow layout cannot take minutes.
     """
     out = {}
+    gpu = device.type == "cuda"
     for name, dtype in DTYPES.items():
         layouts = {}
         for layout in ("a@b", "a@bT"):
-            layouts[layout] = 2 * 512**3 / _median_time(_square(512, dtype, layout), 3)
+            layouts[layout] = 2 * 512**3 / _median_time(_square(512, dtype, layout, device), 3, device)
         best = max(layouts, key=layouts.get)
-        n = 2048
-        t = _median_time(_square(n, dtype, best), 3 if quick else 5)
+        n = 8192 if gpu else 2048  # (a GPU needs far larger products to reach its peak)
+        t = _median_time(_square(n, dtype, best, device), 3 if quick else 5, device)
         out[f"gemm_{name}_gflops"] = 2 * n**3 / t / 1e9
         out[f"gemm_{name}_layout"] = best
-    src = torch.randn(64 * 2**20)  # 256 MiB, far beyond any cache
+    src = torch.randn((256 if gpu else 64) * 2**20, device=device)  # 1 GiB / 256 MiB: past any cache
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), 5 if quick else 9)
+    t = _median_time(lambda: dst.copy_(src), 5 if quick else 9, device)
     out["bandwidth_gbs"] = 2 * src.numel() * src.element_size() / t / 1e9  # read + write
     out["gemm_best_gflops"] = max(out[f"gemm_{k}_gflops"] for k in DTYPES)
     return out
 
 
-def _square(n: int, dtype: torch.dtype, layout: str):
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def _square(n: int, dtype: torch.dtype, layout: str, device: torch.device):
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     return (lambda: a @ b) if layout == "a@b" else (lambda: a @ b.T)
 
 
@@ -163,7 +177,7 @@ def _hf_block(moe: moe_ffn.MoE, shape: Shape, implementation: str) -> nn.Module:
     return block
 
 
-def build(shape: Shape, dtype: torch.dtype) -> dict[str, tuple[nn.Module, callable]]:
+def build(shape: Shape, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> dict[str, tuple[nn.Module, callable]]:
     """Every implementation as (module, fn: x_TD → y_TD), the MoE ones on shared weights."""
     torch.manual_seed(0)
     D, F_, E, K = shape.dim, shape.hidden_dim, shape.num_experts, shape.top_k
@@ -182,13 +196,13 @@ def build(shape: Shape, dtype: torch.dtype) -> dict[str, tuple[nn.Module, callab
     impls["dense"] = (dense, dense)
     impls["dense_nn"] = (dense_nn, dense_nn)
     for module, _ in impls.values():
-        module.to(dtype)
+        module.to(device=device, dtype=dtype)
     return impls
 
 
 def check_same_function(impls, shape: Shape) -> None:
     """The MoE implementations agree on a small fp32 batch (same weights, same routing)."""
-    x = torch.randn(64, shape.dim)
+    x = torch.randn(64, shape.dim, device=impls["moe_ffn"][0].router.weight.device)
     with torch.no_grad():
         ref = impls["moe_ffn"][1](x.to(impls["moe_ffn"][0].router.weight.dtype)).float()
         for name in ("hf_eager", "hf_grouped_mm", "dense_nn"):
@@ -205,15 +219,17 @@ def check_same_function(impls, shape: Shape) -> None:
 # --- one measurement ---------------------------------------------------------------------
 
 def _step(module, fn, x, grad, backward: bool):
+    """One call, finished: on a GPU it waits for the kernels the call queued."""
     if not backward:
         with torch.no_grad():
-            return fn(x)
-    for p in module.parameters():
-        p.grad = None
-    x.grad = None
-    y = fn(x)
-    y.backward(grad)
-    return None
+            fn(x)
+    else:
+        for p in module.parameters():
+            p.grad = None
+        x.grad = None
+        y = fn(x)
+        y.backward(grad)
+    _sync(x.device)
 
 
 def peak_memory(module, fn, x, grad) -> tuple[int, int]:
@@ -223,6 +239,8 @@ def peak_memory(module, fn, x, grad) -> tuple[int, int]:
     for p in module.parameters():
         p.grad = None
     x.grad = None
+    if x.is_cuda:
+        return _cuda_peak_memory(module, fn, x, grad)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         y = fn(x)
         y.backward(grad)
@@ -259,6 +277,23 @@ def peak_memory(module, fn, x, grad) -> tuple[int, int]:
             live_work += nbytes
         peak_total, peak_work = max(peak_total, live_total), max(peak_work, live_work)
     return peak_work, peak_total + unseen
+
+
+def _cuda_peak_memory(module, fn, x, grad) -> tuple[int, int]:
+    """On a GPU, from the caching allocator's counters: total = the peak over what was
+    allocated before the call; working = total less the gradients the call returns (which
+    are alive at the end; taken off whole, so where they were not all alive at the peak this
+    reads low)."""
+    torch.cuda.synchronize(x.device)
+    base = torch.cuda.memory_allocated(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    y = fn(x)
+    y.backward(grad)
+    del y
+    torch.cuda.synchronize(x.device)
+    total = torch.cuda.max_memory_allocated(x.device) - base
+    grads = [p.grad for p in module.parameters() if p.grad is not None] + ([x.grad] if x.grad is not None else [])
+    return max(0, total - sum(g.numel() * g.element_size() for g in grads)), total
 
 
 def active_cost(shape: Shape, T: int, active_experts: int, itemsize: int, backward: bool, dense: bool):
@@ -345,14 +380,15 @@ def _print_ceilings(label: str, c: dict) -> None:
 
 def bench(args) -> dict:
     # The ceilings are probed before and after the grid; rows are measured against the best.
-    probes = [measure_ceilings(args.quick)]
+    device = torch.device(args.device)
+    probes = [measure_ceilings(args.quick, device)]
     _print_ceilings("start", probes[0])
     rows, notes = [], []
     for shape_name in args.configs:
         shape = SHAPES[shape_name]
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
-            impls = build(shape, dtype)
+            impls = build(shape, dtype, device)
             if dtype == torch.float32:
                 check_same_function(impls, shape)
             names = [n for n in IMPLS if n in impls]
@@ -363,8 +399,8 @@ def bench(args) -> dict:
                 last = {}  # name → (T, seconds) of the last size run, to predict the next
                 for T in args.tokens:
                     torch.manual_seed(T)
-                    x = torch.randn(T, shape.dim, dtype=dtype, requires_grad=backward)
-                    grad = torch.randn(T, shape.dim, dtype=dtype)
+                    x = torch.randn(T, shape.dim, dtype=dtype, device=device, requires_grad=backward)
+                    grad = torch.randn(T, shape.dim, dtype=dtype, device=device)
                     run_names = []
                     for name in names:
                         if name in last:
@@ -408,7 +444,7 @@ def bench(args) -> dict:
                         rows.append(row)
                     _print_case(rows[-len(run_names):])
             del impls
-    probes.append(measure_ceilings(args.quick))
+    probes.append(measure_ceilings(args.quick, device))
     _print_ceilings("end", probes[1])
     ceilings = best_ceilings(probes)
     for row in rows:
@@ -416,7 +452,8 @@ def bench(args) -> dict:
     _add_speedups(rows)
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(device),
+        "device": device.type,
         "command": " ".join([Path(sys.executable).name, "profiling/bench.py", *sys.argv[1:]]),
         "ceilings": ceilings,
         "ceiling_probes": probes,
@@ -450,13 +487,14 @@ def _add_speedups(rows):
 def dense_check(args) -> list[dict]:
     """A dense block (E = 1) against the hand-written nn.Linear block: D=1024, 2048 tokens."""
     D, T = 1024, 2048
+    device = torch.device(args.device)
     out = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         torch.manual_seed(0)
-        block = moe_ffn.SwiGLU(D).to(dtype)
+        block = moe_ffn.SwiGLU(D).to(device=device, dtype=dtype)
         hidden = block.hidden_dim
-        ref = NNLinearSwiGLU(D, hidden).to(dtype)
+        ref = NNLinearSwiGLU(D, hidden).to(device=device, dtype=dtype)
         with torch.no_grad():
             ref.gate.weight.copy_(block.gate_up_proj[0, :hidden])
             ref.up.weight.copy_(block.gate_up_proj[0, hidden:])
@@ -464,8 +502,8 @@ def dense_check(args) -> list[dict]:
         impls = {"SwiGLU": (block, block), "nn.Linear": (ref, ref)}
         for pass_name in args.passes:
             backward = pass_name == "fwd+bwd"
-            x = torch.randn(T, D, dtype=dtype, requires_grad=backward)
-            grad = torch.randn(T, D, dtype=dtype)
+            x = torch.randn(T, D, dtype=dtype, device=device, requires_grad=backward)
+            grad = torch.randn(T, D, dtype=dtype, device=device)
             times, _ = run_case(impls, list(impls), x, grad, backward, args.reps, args.budget_s, args.warmup_s)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = {"dtype": dtype_name, "pass": pass_name, "dim": D, "hidden_dim": hidden, "T": T,
@@ -479,7 +517,7 @@ def dense_check(args) -> list[dict]:
 
 # --- outputs -------------------------------------------------------------------------------
 
-def machine() -> str:
+def machine(device: torch.device = torch.device("cpu")) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -489,10 +527,13 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return (
+    host = (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()})"
     )
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), host {host}"
+    return host
 
 
 def _fmt(v, spec, none="–"):
@@ -501,27 +542,30 @@ def _fmt(v, spec, none="–"):
 
 def table(result: dict) -> str:
     c = result["ceilings"]
+    # rates in GFLOP/s on a CPU, TFLOP/s on a GPU
+    unit, scale = ("TFLOP/s", 1e-3) if result.get("device") == "cuda" else ("GFLOP/s", 1.0)
     lines = [
         f"Run {result['date']} on {result['machine']}.",
         f"Command: `{result['command']}`.",
         "",
         f"Ceilings measured in the same run (the best of the probes before and after the grid): "
-        f"GEMM fp32 {c['gemm_fp32_gflops']:.1f} GFLOP/s, GEMM bf16 {c['gemm_bf16_gflops']:.1f} GFLOP/s "
+        f"GEMM fp32 {c['gemm_fp32_gflops'] * scale:.1f} {unit}, GEMM bf16 {c['gemm_bf16_gflops'] * scale:.1f} {unit} "
         f"(best layout {c['gemm_bf16_layout']}), copy bandwidth {c['bandwidth_gbs']:.1f} GB/s"
         + "".join(
-            f"; {label} probe {p['gemm_fp32_gflops']:.0f} / {p['gemm_bf16_gflops']:.0f} GFLOP/s, {p['bandwidth_gbs']:.1f} GB/s"
+            f"; {label} probe {p['gemm_fp32_gflops'] * scale:.0f} / {p['gemm_bf16_gflops'] * scale:.0f} {unit}, "
+            f"{p['bandwidth_gbs']:.1f} GB/s"
             for label, p in zip(("start", "end"), result.get("ceiling_probes", []))
         )
         + ".",
         "",
-        "| config | dtype | pass | T | impl | median ms | runs | tokens/s | GFLOP/s | roofline | roofline (best GEMM) "
+        f"| config | dtype | pass | T | impl | median ms | runs | tokens/s | {unit} | roofline | roofline (best GEMM) "
         "| × faster HF | peak work MiB | peak total MiB |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['config']} | {r['dtype']} | {r['pass']} | {r['T']} | {r['impl']} | "
-            f"{r['median_s'] * 1e3:.2f} | {r['runs']} | {r['tokens_per_s']:.0f} | {r['gflops']:.1f} | "
+            f"{r['median_s'] * 1e3:.2f} | {r['runs']} | {r['tokens_per_s']:.0f} | {r['gflops'] * scale:.1f} | "
             f"{r['frac_roofline']:.2f} | {r['frac_best']:.2f} | {_fmt(r['speedup_vs_hf'], '.2f')} | "
             f"{_fmt(r.get('peak_work_mib'), '.0f')} | {_fmt(r.get('peak_total_mib'), '.0f')} |"
         )
@@ -643,6 +687,8 @@ def main(argv=None) -> None:
                    help="seconds of warm-up calls per implementation and case (1 to %d calls)" % _WARMUP_MAX_CALLS)
     p.add_argument("--cap-s", type=float, default=None,
                    help="skip an implementation at a size whose predicted time per call exceeds this")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where to run the grid (cuda: results/bench_cuda.*, README left alone)")
     p.add_argument("--no-dense-check", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-readme", action="store_true", help="do not update profiling/README.md")
@@ -667,16 +713,18 @@ def main(argv=None) -> None:
     if args.warmup_s is None:
         args.warmup_s = 0.5 if args.quick else 2.0
     args.memory_tokens = set(args.tokens)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(torch.get_num_threads())
 
     result = bench(args)
     md = table(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_quick" if args.quick else "bench"
+    stem = "bench" + ("_cuda" if args.device == "cuda" else "") + ("_quick" if args.quick else "")
     (args.out / f"{stem}.md").write_text(md)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{stem}.png")
-    if not args.no_readme:
+    if not args.no_readme and args.device == "cpu":
         update_readme(md, HERE / "README.md")
     print(md)
 

@@ -5,6 +5,7 @@ timed; the numbers checked are worked out by hand in each test."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -132,3 +133,35 @@ def test_targets_scale_the_2x_goal_by_what_the_roofline_leaves(bench):
     assert "- MISSED: never slower than the faster transformers path (slower at 1 of 3 cases: mixtral fp32 fwd 1 ×0.90)" in text
     assert "- met: mixtral fp32 fwd+bwd T=16: ×2.22 over hf_grouped_mm (target ×2.00; the roofline allows ×5.0)" in text
     assert "- MISSED: mixtral fp32 fwd+bwd T=256: ×1.25 over hf_grouped_mm (target ×1.50; the roofline allows ×2.0)" in text
+
+
+def _result(device):
+    ceilings = {"gemm_fp32_gflops": 50000.0, "gemm_bf16_gflops": 800000.0, "gemm_bf16_layout": "a@bT",
+                "bandwidth_gbs": 4000.0, "gemm_best_gflops": 800000.0}
+    row = dict(_row("moe_ffn", 16, 0.002, 0.001), gflops=1500.0, runs=5, tokens_per_s=8000.0, speedup_vs_hf=None,
+               frac_roofline=0.5, frac_best=0.5)
+    return {"date": "d", "machine": "m", "command": "c", "device": device, "ceilings": ceilings,
+            "rows": [row], "notes": []}
+
+
+def test_table_gives_gpu_rates_in_tflops(bench):
+    gpu, cpu = bench.table(_result("cuda")), bench.table(_result("cpu"))
+    assert "GEMM fp32 50.0 TFLOP/s, GEMM bf16 800.0 TFLOP/s" in gpu and "| TFLOP/s |" in gpu
+    assert "| 2.00 | 5 | 8000 | 1.5 |" in gpu  # 1500 GFLOP/s
+    assert "GEMM fp32 50000.0 GFLOP/s" in cpu and "| 2.00 | 5 | 8000 | 1500.0 |" in cpu
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_cuda(bench, tmp_path):
+    """A small grid on the GPU: every implementation timed, peak memory from the CUDA
+    allocator, results under bench_cuda.*, and profiling/README.md (the CPU table) untouched."""
+    readme = _PATH.parent / "README.md"
+    before = readme.read_text()
+    bench.main(["--device", "cuda", "--quick", "--configs", "mixtral", "--dtypes", "bf16", "--tokens", "16",
+                "--no-dense-check", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_cuda_quick.json").read_text())
+    assert result["device"] == "cuda" and readme.read_text() == before
+    rows = {(r["pass"], r["impl"]): r for r in result["rows"]}
+    assert {impl for _, impl in rows} >= {"moe_ffn", "dense", "dense_nn"}
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert rows[("fwd+bwd", "moe_ffn")]["peak_total_mib"] > 0
