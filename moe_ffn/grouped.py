@@ -628,13 +628,17 @@ def _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated,
     return out, h_NH
 
 
-def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated):
+def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated, keep_h=True):
     """The forward of both FFN ops (see `grouped_ffn` and `routed_ffn`).
 
     token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
     token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
     are gathered, computed, scaled by weight_N and added into an accumulator in weight_N's
     dtype; returns (out_TD in weight_N's dtype, h_NH). Row copies live for one group only.
+    keep_h False (inference, nothing to save for backward): the first projection goes into one
+    buffer of a group's rows, reused group after group, and h_NH comes back empty. Writing
+    a fresh [N, H] instead cost the forward its page faults: fine-grained fp32 at T = 8192 has
+    a 256 MiB h_NH, Mixtral's 448 MiB.
     """
     N = x.shape[0] if token_N is None else token_N.shape[0]
     D, H = w2_EDF.shape[1], w1_EHD.shape[1]
@@ -644,9 +648,14 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     project = _decode_projection(x, w1_EHD, w2_EDF, blocks, counts_E, b1_EH is not None, cdt)
     if project is not None:
         return _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
-    h_NH = _memory.empty(x, N, H)  # the first projection's output, kept for backward
-    if used < N:
-        h_NH[used:].zero_()
+    groups = _groups(blocks, H, split=False)
+    if keep_h:
+        h_NH = _memory.empty(x, N, H)  # the first projection's output, kept for backward
+        if used < N:
+            h_NH[used:].zero_()
+    else:
+        h_NH = x.new_empty(0, H)
+        h_gH = _memory.empty(x, max((g[-1][2] - g[0][1] for g in groups), default=0), H)
     if token_N is None:
         out = _memory.empty(x, N, D)
         if used < N:
@@ -657,16 +666,19 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     # elementwise work and the down projection go piece by piece (see _groups): cutting the
     # first projection too made it ~7 % slower (2048×1024 by 1024×5632, fp32: one GEMM 232 ms,
     # 744-row pieces 249 ms; the dense block's forward at T = 2048 1.08× → 1.01× nn.Linear's).
-    for group in _groups(blocks, H, split=False):
+    for group in groups:
         first, last = group[0][1], group[-1][2]
+        if keep_h:
+            h_gH = h_NH[first:last]
         x_gD = _rows(x, token_N, first, last)
         for e, start, stop in group:
             b = None if b1_EH is None else b1_EH[e]
-            _linear_into(h_NH[start:stop], x_gD[start - first : stop - first], w1_EHD[e], b, cdt)
+            rows = slice(start - first, stop - first)
+            _linear_into(h_gH[rows], x_gD[rows], w1_EHD[e], b, cdt)
         del x_gD
         for piece in _groups(group, H, split=cdt == x.dtype):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
-            a_pF = _hidden(h_NH[lo:hi].to(cdt), activation, gated, x.dtype)
+            a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
             y_pD = out[lo:hi] if token_N is None else x.new_empty(hi - lo, D)
             for e, start, stop in piece:
                 b = None if b2_ED is None else b2_ED[e]
@@ -984,12 +996,12 @@ _routed_ffn_op.register_autograd(_routed_backward_autograd, setup_context=_route
 # inspect.signature on every call.)
 class _GroupedFFNEager(torch.autograd.Function):
     @staticmethod
-    def compute(*inputs):
-        return _ffn_forward(*inputs[:4], None, None, *inputs[4:])
+    def compute(*inputs, keep_h=False):
+        return _ffn_forward(*inputs[:4], None, None, *inputs[4:], keep_h=keep_h)
 
     @staticmethod
     def forward(ctx, *inputs):
-        outputs = _GroupedFFNEager.compute(*inputs)
+        outputs = _GroupedFFNEager.compute(*inputs, keep_h=True)
         _ffn_setup_context(ctx, inputs, outputs)
         return outputs
 
@@ -1000,11 +1012,13 @@ class _GroupedFFNEager(torch.autograd.Function):
 
 
 class _RoutedFFNEager(torch.autograd.Function):
-    compute = staticmethod(_ffn_forward)
+    @staticmethod
+    def compute(*inputs, keep_h=False):
+        return _ffn_forward(*inputs, keep_h=keep_h)
 
     @staticmethod
     def forward(ctx, *inputs):
-        outputs = _RoutedFFNEager.compute(*inputs)
+        outputs = _RoutedFFNEager.compute(*inputs, keep_h=True)
         _routed_setup_context(ctx, inputs, outputs)
         return outputs
 
@@ -1018,7 +1032,8 @@ def _call(op, eager: type[torch.autograd.Function], *inputs):
     if torch.compiler.is_compiling():
         return op(*inputs)
     # Without grad mode there is nothing to record: the forward runs without the Function
-    # (its context and saved tensors cost ~30 µs of a decode step).
+    # (its context and saved tensors cost ~30 µs of a decode step) and keeps no [N, H]
+    # first projection (`keep_h` in _ffn_forward).
     run = eager.apply if torch.is_grad_enabled() else eager.compute
     if torch.autograd.profiler._is_profiler_enabled:  # traces show the op's name either way
         with torch.profiler.record_function(op._qualname):

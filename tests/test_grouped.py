@@ -469,3 +469,31 @@ def test_grouped_linear_input_gradient_is_differentiable_again():
     want = second_order(loop, x64, w64)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4 * float(b.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_inference_forward_reuses_one_group_buffer_for_the_first_projection(monkeypatch, routed):
+    """Under no_grad nothing is kept for backward: the first projection goes into one buffer of
+    the largest group's rows (3 here: groups of rows [0, 3), [3, 5), [5, 8)), reused group after
+    group, instead of an [N, H] tensor; the output is the training forward's, bit for bit."""
+    torch.manual_seed(9)
+    counts = torch.tensor([2, 1, 0, 2, 3])
+    D, F, N = 6, 4, 8
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 3 * 2 * F)
+    shapes = []
+    real = grouped._memory.empty
+    monkeypatch.setattr(grouped._memory, "empty", lambda like, *shape, **kw: shapes.append(shape) or real(like, *shape, **kw))
+    x = torch.randn(N, D)
+    w1, w2 = torch.randn(5, 2 * F, D), torch.randn(5, D, F)
+    if routed:
+        token_N, weight_N = torch.randperm(N), torch.rand(N)
+        run = lambda x, w1: routed_ffn(x, w1, w2, counts, token_N, weight_N, activation="silu", gated=True)
+    else:
+        run = lambda x, w1: grouped_ffn(x, w1, w2, counts, activation="silu", gated=True)
+    y_train = run(x, w1.requires_grad_())
+    assert (N, 2 * F) in shapes
+    shapes.clear()
+    with torch.no_grad():
+        y_infer = run(x, w1)
+    assert (3, 2 * F) in shapes and (N, 2 * F) not in shapes
+    assert torch.equal(y_infer, y_train)
