@@ -119,7 +119,7 @@ def measure_ceilings(quick: bool, device: torch.device = torch.device("cpu")) ->
 
     The GEMM rate of a dtype is its best over the layouts a@b and a@bᵀ: on some CPUs one
     layout is 50× slower in bf16. Each layout is probed at n=512 first and only the faster
-    one is measured at n=2048, so a very slow layout cannot take minutes.
+    one is measured at n=2048 (8192 on a GPU), so a very slow layout cannot take minutes.
     """
     out = {}
     gpu = device.type == "cuda"
@@ -177,7 +177,9 @@ def _hf_block(moe: moe_ffn.MoE, shape: Shape, implementation: str) -> nn.Module:
     return block
 
 
-def build(shape: Shape, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> dict[str, tuple[nn.Module, callable]]:
+def build(
+    shape: Shape, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+) -> dict[str, tuple[nn.Module, callable]]:
     """Every implementation as (module, fn: x_TD → y_TD), the MoE ones on shared weights."""
     torch.manual_seed(0)
     D, F_, E, K = shape.dim, shape.hidden_dim, shape.num_experts, shape.top_k
@@ -234,13 +236,13 @@ def _step(module, fn, x, grad, backward: bool):
 
 def peak_memory(module, fn, x, grad) -> tuple[int, int]:
     """(working, total) peak bytes allocated during one forward+backward (see module doc)."""
-    from torch.profiler import ProfilerActivity, profile
-
     for p in module.parameters():
         p.grad = None
     x.grad = None
     if x.is_cuda:
         return _cuda_peak_memory(module, fn, x, grad)
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         y = fn(x)
         y.backward(grad)
@@ -284,13 +286,13 @@ def _cuda_peak_memory(module, fn, x, grad) -> tuple[int, int]:
     allocated before the call; working = total less the gradients the call returns (which
     are alive at the end; taken off whole, so where they were not all alive at the peak this
     reads low)."""
-    torch.cuda.synchronize(x.device)
+    _sync(x.device)
     base = torch.cuda.memory_allocated(x.device)
     torch.cuda.reset_peak_memory_stats(x.device)
     y = fn(x)
     y.backward(grad)
     del y
-    torch.cuda.synchronize(x.device)
+    _sync(x.device)
     total = torch.cuda.max_memory_allocated(x.device) - base
     grads = [p.grad for p in module.parameters() if p.grad is not None] + ([x.grad] if x.grad is not None else [])
     return max(0, total - sum(g.numel() * g.element_size() for g in grads)), total
