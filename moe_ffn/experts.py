@@ -55,9 +55,14 @@ class _ExpertBank(nn.Module):
         (w1, b1), (w2, b2) = self._projections()
         return w1, b1, w2, b2
 
+    def runs_by_projection(self, x: Tensor) -> bool:
+        """True where the bank runs one `grouped_linear` per projection (CUDA: torch's grouped
+        GEMM, no host sync) instead of the whole FFN as one op (CPU: `grouped_ffn`)."""
+        return x.is_cuda
+
     def can_fuse_dispatch(self, x: Tensor) -> bool:
         """True where `routed` runs as one op with the dispatch fused in (CPU)."""
-        return self.fuses_dispatch and not x.is_cuda
+        return self.fuses_dispatch and not self.runs_by_projection(x)
 
     def routed(self, x_TD: Tensor, plan: DispatchPlan, weight_N: Tensor) -> Tensor:
         """Σ over each token's kept assignments of weight·expert(x), in one op (CPU).
@@ -126,7 +131,7 @@ class GatedExperts(_ExpertBank):
             tokens_per_expert_E: [E] rows per expert; None when E = 1 (all rows).
         Returns: [N, D]; rows past the counted ones are zero.
         """
-        if x_ND.is_cuda:  # torch's grouped GEMM per projection, no host sync
+        if self.runs_by_projection(x_ND):
             h_N2F = grouped_linear(x_ND, self.gate_up_proj, tokens_per_expert_E, self.gate_up_bias)
             gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
             h_NF = self._act(gate_NF) * up_NF
@@ -166,7 +171,7 @@ class MLPExperts(_ExpertBank):
 
     def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:
         """Same contract as `GatedExperts.forward`."""
-        if x_ND.is_cuda:
+        if self.runs_by_projection(x_ND):
             h_NF = self._act(grouped_linear(x_ND, self.up_proj, tokens_per_expert_E, self.up_bias))
             return grouped_linear(h_NF, self.down_proj, tokens_per_expert_E, self.down_bias)
         return grouped_ffn(

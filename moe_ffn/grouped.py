@@ -106,10 +106,11 @@ def _cpu_grouped_mm_available() -> bool:
 
 
 def _grouped_mm_aligned(*tensors: Tensor) -> bool:
-    # torch._grouped_mm wants 16-byte aligned strides and data: every dim but the contiguous
-    # one a multiple of 8 bf16 elements.
+    # torch._grouped_mm wants 16-byte aligned strides and data: every stride but the
+    # contiguous one a multiple of 16 bytes (8 bf16 elements).
     return all(
-        t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride() if s != 1) for t in tensors
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+        for t in tensors
     )
 
 
@@ -218,13 +219,15 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def _use_torch_grouped_mm(x: Tensor, w: Tensor) -> bool:
     # torch's grouped GEMM kernel (CUDA, bf16, Hopper and newer). Elsewhere the per-expert
-    # loop is as fast: each block is one large BLAS call.
+    # loop is as fast: each block is one large BLAS call. Operands whose strides the kernel
+    # cannot take (dims not a multiple of 8) stay on the loop instead of failing.
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
         and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and _grouped_mm_aligned(x, w)
     )
 
 
@@ -314,16 +317,31 @@ def _mm_rows(out: Tensor, a: Tensor, b: Tensor, add: bool) -> None:
 
 # --- grouped_linear ----------------------------------------------------------------------
 
+# The grouped-GEMM path (CUDA, see _use_torch_grouped_mm): every step is a device op, so a
+# call never waits for the host; torch._grouped_mm takes the block boundaries as a device
+# tensor of end offsets. It leaves rows past the last block unwritten (torch's CPU kernel
+# leaves whatever the memory held), so they are masked to zero.
+
+def _end_offsets(counts_E: Tensor) -> Tensor:
+    return counts_E.cumsum(0, dtype=torch.int32)
+
+
+def _expert_of_rows(offsets_E: Tensor, num_rows: int) -> Tensor:
+    """[N] the expert of each row; E for rows past the last block. No host sync."""
+    rows_N = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
+    return torch.searchsorted(offsets_E, rows_N, right=True)
+
+
 def _grouped_linear(x_NI: Tensor, w_EOI: Tensor, counts_E: Tensor, bias_EO: Optional[Tensor]) -> Tensor:
     N, O = x_NI.shape[0], w_EOI.shape[1]
-    if _use_torch_grouped_mm(x_NI, w_EOI):  # CUDA path: no host sync at all
-        offsets_E = counts_E.cumsum(0).to(torch.int32)
+    if _use_torch_grouped_mm(x_NI, w_EOI):
+        E = w_EOI.shape[0]
+        offsets_E = _end_offsets(counts_E)
         y_NO = torch._grouped_mm(x_NI, w_EOI.transpose(1, 2), offs=offsets_E)
+        expert_N = _expert_of_rows(offsets_E, N)
         if bias_EO is not None:
-            expert_N = torch.searchsorted(offsets_E, torch.arange(N, device=x_NI.device), right=True)
-            y_NO = y_NO + bias_EO[expert_N.clamp(max=w_EOI.shape[0] - 1)]
-        unassigned_N1 = (torch.arange(N, device=x_NI.device) >= offsets_E[-1]).unsqueeze(1)
-        return y_NO.masked_fill(unassigned_N1, 0)
+            y_NO = y_NO + bias_EO[expert_N.clamp(max=E - 1)]
+        return y_NO.masked_fill((expert_N == E).unsqueeze(1), 0)
     cdt = _compute_dtype(x_NI)
     blocks = _row_blocks(counts_E, N)
     y_NO = _memory.empty(x_NI, N, O)
@@ -346,6 +364,8 @@ def _grouped_linear_wgrad(
     x_NI: Tensor, grad_NO: Tensor, counts_E: Tensor, num_experts: int, with_bias: bool
 ) -> tuple[Tensor, Tensor]:
     E, I, O = num_experts, x_NI.shape[1], grad_NO.shape[1]
+    if _use_torch_grouped_mm(x_NI, grad_NO):
+        return _grouped_mm_wgrad(x_NI, grad_NO, counts_E, E, with_bias)
     cdt = _compute_dtype(x_NI)
     grad_w_EOI = _memory.zeros(x_NI, E, O, I)
     grad_b_EO = x_NI.new_zeros(E, O if with_bias else 0)
@@ -355,6 +375,27 @@ def _grouped_linear_wgrad(
         if with_bias:
             grad_b_EO[e] = g.sum(0)
     return grad_w_EOI, grad_b_EO
+
+
+def _grouped_mm_wgrad(
+    x_NI: Tensor, grad_NO: Tensor, counts_E: Tensor, num_experts: int, with_bias: bool
+) -> tuple[Tensor, Tensor]:
+    """`_grouped_linear_wgrad` on the grouped-GEMM path: one call for every expert's
+    gradient (a 2-D × 2-D grouped product, the blocks cut along the rows, which are the inner
+    dim), no host sync. Rows past the last block fall in no block."""
+    E, N = num_experts, x_NI.shape[0]
+    offsets_E = _end_offsets(counts_E)
+    grad_w_EOI = torch._grouped_mm(grad_NO.t(), x_NI, offs=offsets_E)
+    # An expert without rows gets exact zeros, whatever a kernel does with an empty block.
+    grad_w_EOI.masked_fill_((counts_E == 0).view(E, 1, 1), 0)
+    if not with_bias:
+        return grad_w_EOI, x_NI.new_zeros(E, 0)
+    # Σ of each block's rows as a [E, N] membership matrix times the gradient: deterministic
+    # (no atomics), accumulated in float32 at least.
+    acc = torch.promote_types(grad_NO.dtype, torch.float32)
+    experts_E1 = torch.arange(E, device=x_NI.device).unsqueeze(1)
+    member_EN = (experts_E1 == _expert_of_rows(offsets_E, N).unsqueeze(0)).to(acc)
+    return grad_w_EOI, (member_EN @ grad_NO.to(acc)).to(grad_NO.dtype)
 
 
 _grouped_linear_wgrad_op = torch.library.custom_op("moe_ffn::grouped_linear_wgrad", mutates_args=())(
@@ -376,6 +417,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_NO, linear=_grouped_linear_op, wgrad=_grouped_linear_wgrad_op):
     x_NI, w_EOI, counts_E = ctx.saved_tensors
+    grad_NO = grad_NO.contiguous()  # (an expanded gradient has strides no grouped GEMM takes)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
         # dX[block e] = dY[block e] · W[e]: the forward op on W transposed to [E, I, O].

@@ -497,3 +497,77 @@ def test_inference_forward_reuses_one_group_buffer_for_the_first_projection(monk
         y_infer = run(x, w1)
     assert (3, 2 * F) in shapes and (N, 2 * F) not in shapes
     assert torch.equal(y_infer, y_train)
+
+
+# --- the CUDA path's logic, run on CPU ---------------------------------------------------
+# On CUDA (bf16, Hopper) grouped_linear runs torch._grouped_mm with the block boundaries as a
+# device tensor, and its backward two more grouped products, without a host sync. No GPU was
+# lent to this project; torch's CPU _grouped_mm takes the same operands under the same
+# stride rules, so these tests force that path on CPU (float32 and bf16) and hold it to a
+# float64 loop. They check the path's logic (offsets, rows past the last block masked, the
+# backward's products, biases, no host sync), not CUDA's kernels.
+
+_cpu_grouped_mm = pytest.mark.skipif(not grouped._cpu_grouped_mm_available(), reason="torch lacks CPU _grouped_mm")
+
+
+def force_grouped_mm_path(monkeypatch):
+    """Send grouped_linear down the grouped-GEMM path on CPU; any host sync fails the test.
+    Returns the list that counts torch._grouped_mm calls."""
+    monkeypatch.setattr(grouped, "_use_torch_grouped_mm", lambda x, w: grouped._grouped_mm_aligned(x, w))
+
+    def no_host_sync(*args, **kwargs):
+        raise AssertionError("the grouped-GEMM path read the counts back to the host")
+
+    monkeypatch.setattr(grouped, "_row_blocks", no_host_sync)
+    monkeypatch.setattr(torch.Tensor, "tolist", no_host_sync)
+    monkeypatch.setattr(torch.Tensor, "item", no_host_sync)
+    return _count_grouped_mm(monkeypatch)
+
+
+@_cpu_grouped_mm
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear_on_the_grouped_mm_path_matches_float64_loop(monkeypatch, dtype, tol, bias):
+    """Expert 1 idle, rows 35–39 in no block: their outputs and their share of every
+    gradient are exact zeros (torch's kernel leaves those output rows unwritten)."""
+    counts = torch.tensor([8, 0, 20, 7])
+    N, I, O, E = 40, 16, 24, 4
+    x64 = torch.randn(N, I, **f64)
+    w64 = torch.randn(E, O, I, **f64) / 4
+    b64 = torch.randn(E, O, **f64) if bias else None
+    g64 = torch.randn(N, O, **f64)
+    # the reference: float64 on the same (rounded) values
+    x64, w64, g64 = (t.to(dtype).double() for t in (x64, w64, g64))
+    b64 = None if b64 is None else b64.to(dtype).double()
+    leaves64 = [t.requires_grad_() for t in (x64, w64, b64) if t is not None]
+    rows = [x64[s:t] @ w64[e].T + (b64[e] if bias else 0) for e, s, t in _blocks(counts.tolist())]
+    ref = torch.cat(rows + [x64.new_zeros(N - int(counts.sum()), O)])
+    want = torch.autograd.grad((ref * g64).sum(), leaves64)
+
+    calls = force_grouped_mm_path(monkeypatch)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in leaves64]
+    y = grouped_linear(leaves[0], leaves[1], counts, leaves[2] if bias else None)
+    assert len(calls) == 1 and y.dtype == dtype
+    assert (y[35:] == 0).all()
+    torch.testing.assert_close(y.double(), ref.detach(), atol=tol * 8, rtol=tol)
+    got = torch.autograd.grad(y, leaves, g64.to(dtype))
+    assert len(calls) == 3  # the input gradient and every weight gradient: one product each
+    for name, a, r in zip(["x", "w", "b"], got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), r, atol=tol * 8, rtol=tol, msg=lambda m: f"grad {name}: {m}")
+    assert (got[0][35:] == 0).all() and (got[1][1] == 0).all()
+    if bias:
+        assert (got[2][1] == 0).all()
+
+
+@_cpu_grouped_mm
+def test_grouped_mm_path_is_taken_only_for_aligned_operands(monkeypatch):
+    """Strides the kernel cannot take (I = 12 bf16 elements: 24 bytes) stay on the loop."""
+    monkeypatch.setattr(grouped, "_use_torch_grouped_mm", lambda x, w: grouped._grouped_mm_aligned(x, w))
+    calls = _count_grouped_mm(monkeypatch)
+    counts = torch.tensor([3, 2])
+    x = torch.randn(5, 12, dtype=torch.bfloat16)
+    y = grouped_linear(x, torch.randn(2, 16, 12, dtype=torch.bfloat16), counts)
+    assert calls == [] and y.shape == (5, 16)
+    grouped_linear(torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(2, 16, 16, dtype=torch.bfloat16), counts)
+    assert len(calls) == 1

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from moe_ffn import MoE, MoEConfig, SwiGLU
-from reference import gated_expert, moe_forward, route_token
+from moe_ffn import grouped
+from moe_ffn.experts import MLPExperts, _ExpertBank
+from reference import classic_ffn, gated_expert, moe_forward, route_token
 
 ATOL = 1e-12
 
@@ -321,3 +323,55 @@ def test_bad_forward_input():
         moe(torch.ones(3, 8, dtype=torch.int32))
     with pytest.raises(TypeError, match="MoEConfig"):
         MoE(64)
+
+
+# --- the CUDA path's logic, run on CPU -----------------------------------------------------
+
+@pytest.mark.skipif(not grouped._cpu_grouped_mm_available(), reason="torch lacks CPU _grouped_mm")
+@pytest.mark.parametrize("kind", ["gated", "mlp"])
+def test_layer_on_the_projection_by_projection_path_matches_per_token_loop(monkeypatch, kind):
+    """On CUDA the layer permutes the rows, runs the bank as one grouped_linear per projection
+    (torch._grouped_mm) and takes the weighted sum, with no host sync. Forced here on CPU in
+    float32 (see test_grouped.force_grouped_mm_path), with a capacity that drops assignments:
+    output and every gradient match the float64 loop on the same weights."""
+    from test_grouped import force_grouped_mm_path
+
+    factor, policy, T = 0.75, "probs", 13
+    moe, moe32 = (make(dim=16, hidden=24, experts=4, k=2, capacity_factor=factor, drop_policy=policy)
+                  for _ in range(2))
+    moe32.float()
+    if kind == "mlp":  # classic experts with biases
+        moe.experts = MLPExperts(4, 16, 24, activation="gelu", bias=True, dtype=torch.float64)
+        moe32.experts = MLPExperts(4, 16, 24, activation="gelu", bias=True, dtype=torch.float32)
+    moe32.load_state_dict(moe.state_dict())
+    x = torch.randn(T, 16, dtype=torch.float64, requires_grad=True)
+    keep, n_dropped = _keep_fn(moe, x.detach(), math.ceil(factor * T * 2 / 4), policy)
+    assert n_dropped > 0
+    ref = reference(moe, x, keep=keep) if kind == "gated" else _mlp_reference(moe, x, keep)
+    w = torch.randn_like(ref)
+    params = dict(moe.named_parameters())
+    want = torch.autograd.grad((ref * w).sum(), [x, *params.values()])
+
+    monkeypatch.setattr(_ExpertBank, "runs_by_projection", lambda self, x: True)
+    calls = force_grouped_mm_path(monkeypatch)
+    x32 = x.detach().float().requires_grad_()
+    y = moe32(x32)
+    assert len(calls) == 2  # one grouped product per projection
+    torch.testing.assert_close(y.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad((y * w.float()).sum(), [x32, *moe32.parameters()])
+    assert len(calls) == 6  # and per projection one for its input and one for its weight gradient
+    for name, a, b in zip(["input", *params], got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _mlp_reference(moe, x_TD, keep):
+    ex, outs = moe.experts, []
+    for t in range(x_TD.shape[0]):
+        ids, weights = route_token(moe.router.weight @ x_TD[t], moe.config.top_k)
+        y = torch.zeros_like(x_TD[t])
+        for slot, (e, wt) in enumerate(zip(ids, weights)):
+            if keep(t, slot):
+                h = classic_ffn(x_TD[t], ex.up_proj[e], ex.down_proj[e], ex.activation, ex.up_bias[e], ex.down_bias[e])
+                y = y + wt * h
+        outs.append(y)
+    return torch.stack(outs)
