@@ -218,15 +218,17 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 
 def _use_torch_grouped_mm(x: Tensor, w: Tensor) -> bool:
-    # torch's grouped GEMM kernel (CUDA, bf16, Hopper and newer). Elsewhere the per-expert
-    # loop is as fast: each block is one large BLAS call. Operands whose strides the kernel
-    # cannot take (dims not a multiple of 8) stay on the loop instead of failing.
+    # torch's grouped GEMM (CUDA, bf16, compute capability 8.0 and newer: what torch 2.13's
+    # torch.nn.functional.grouped_mm documents; not run here, no GPU was lent to this
+    # project). Elsewhere the per-expert loop is as fast: each block is one large BLAS call.
+    # Operands whose strides the kernel cannot take (dims not a multiple of 8) stay on the
+    # loop instead of failing.
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and torch.cuda.get_device_capability(x.device)[0] >= 8
         and _grouped_mm_aligned(x, w)
     )
 

@@ -1,4 +1,6 @@
-"""CUDA paths: bf16 through torch's grouped GEMM on Hopper, fp32 through the per-expert loop.
+"""CUDA paths: bf16 through torch's grouped GEMM (compute capability ≥ 8.0), fp32 through the
+per-expert loop. Their logic also runs on CPU in tests/test_grouped.py and tests/test_moe.py
+(torch's CPU grouped GEMM, forced).
 
 These need a GPU and are skipped without one (marker `gpu`); run them with
 `.venv/bin/python -m pytest -m gpu` on a CUDA machine.
