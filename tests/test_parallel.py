@@ -343,6 +343,24 @@ def case_not_a_moe_on_one_rank(group, seed):
         raise AssertionError("no ValueError")
 
 
+def case_experts_by_projection(group, seed):
+    """The sharded bank as CUDA runs it (one grouped_linear per projection, see
+    _ExpertBank.runs_by_projection), forced on CPU, under expert parallelism, against the
+    unsharded layer on its CPU path: uneven tokens, a rank without tokens, capacity drops."""
+    from moe_ffn.parallel import ExpertParallelExperts
+
+    W = dist.get_world_size(group)
+    ExpertParallelExperts.runs_by_projection = lambda self, x: True  # the sharded bank only
+    try:
+        _run_against_reference(_cfg(num_experts=2 * W), [6, 0, 9, 0][:W], group, seed)
+        moe, _, info = _run_against_reference(
+            _cfg(num_experts=2 * W, capacity_factor=0.5), [9, 4, 12, 6][:W], group, seed, per_batch_reference=True
+        )
+        assert info["num_dropped"] > 0 and moe.experts.global_num_dropped == info["num_dropped"], info
+    finally:
+        del ExpertParallelExperts.runs_by_projection
+
+
 CASES_2 = [
     case_uneven_tokens,
     case_rank_without_tokens,
@@ -357,6 +375,7 @@ CASES_2 = [
     case_world_not_dividing_experts,
     case_different_configs,
     case_not_a_moe_on_one_rank,
+    case_experts_by_projection,
 ]
 CASES_4 = [
     case_uneven_tokens,
@@ -369,6 +388,7 @@ CASES_4 = [
     case_meta_build_then_load,
     case_world_not_dividing_experts,
     case_different_configs,
+    case_experts_by_projection,
 ]
 
 
