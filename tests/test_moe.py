@@ -163,7 +163,7 @@ def _keep_fn(moe, x, capacity, policy):
     by_expert = {}
     for t, (ids, w) in enumerate(routes):
         for slot, e in enumerate(ids):
-            by_expert.setdefault(e, []).append((t, slot, float(w[slot])))
+            by_expert.setdefault(e, []).append((t, slot, float(w[slot].detach())))
     kept = set()
     for e, items in by_expert.items():
         if policy == "probs":
