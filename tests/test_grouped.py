@@ -500,12 +500,12 @@ def test_inference_forward_reuses_one_group_buffer_for_the_first_projection(monk
 
 
 # --- the CUDA path's logic, run on CPU ---------------------------------------------------
-# On CUDA (bf16, compute capability ≥ 8.0) grouped_linear runs torch._grouped_mm with the block boundaries as a
-# device tensor, and its backward two more grouped products, without a host sync. No GPU was
-# lent to this project; torch's CPU _grouped_mm takes the same operands under the same
-# stride rules, so these tests force that path on CPU (float32 and bf16) and hold it to a
-# float64 loop. They check the path's logic (offsets, rows past the last block masked, the
-# backward's products, biases, no host sync), not CUDA's kernels.
+# On CUDA (bf16, compute capability ≥ 8.0) grouped_linear runs torch._grouped_mm with the
+# block boundaries as a device tensor, and its backward two more grouped products, without a
+# host sync. No GPU was lent to this project; torch's CPU _grouped_mm takes the same operands
+# under the same stride rules, so these tests force that path on CPU (float32 and bf16) and
+# hold it to a float64 loop. They check the path's logic (offsets, rows past the last block
+# masked, the backward's products, biases, no host sync), not CUDA's kernels.
 
 _cpu_grouped_mm = pytest.mark.skipif(not grouped._cpu_grouped_mm_available(), reason="torch lacks CPU _grouped_mm")
 
