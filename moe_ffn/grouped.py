@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_ffn import _memory
+from moe_ffn import _memory, _small_gemm
 from moe_ffn.activations import get_activation
 
 __all__ = ["grouped_linear", "grouped_ffn", "routed_ffn"]
@@ -239,6 +239,8 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         cdt = out.dtype  # decode-sized block: native GEMV (see _NATIVE_LOWP_MAX_ROWS)
     if cdt != x.dtype or cdt != w.dtype:
         x, w, b = x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
+    if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)
+        return
     if cdt != out.dtype or (cdt == torch.float32 and x.shape[0] <= _ONEDNN_MAX_ROWS):
         out.copy_(_linear(x, w, b))
     elif b is None:

@@ -1,0 +1,123 @@
+"""The forward product of small float32 blocks on x86 CPUs: our own kernel (_small_gemm.cpp).
+
+Why: on CPU an expert's block holds a few to a few dozen rows (T·k / E: 2 at T = 16 and 32
+at T = 256 for 64 experts of top-8), and torch's kernels run such products well below the
+machine's rate: oneDNN's inner product, MKL's sgemm and sgemm on W·xᵀ, whichever grouped.py
+picks as fastest for the size, read an expert's weight at 5–11 GB/s for 1–4 rows where the
+two cores read 15–20, and reach 43–68 GFLOP/s at 16–32 rows where a square matmul runs at
+94–144. The kernel here computes the dot products straight off the weight's rows (no
+packing) with both cores reading their own rows of it. `profiling/kernel_headroom.py`
+measures it against `grouped._linear` on the benchmark's expert shapes, 64 (fine-grained) or
+8 (Mixtral) experts' weights in turn; on the 2-core AVX2 EPYC, medians of 7 interleaved
+rounds, kernel / library: 1.5–1.9× at 1–8 rows, 1.3–1.6× at 16–32, 1.05–1.3× at 64, and
+0.95–1.07× at 128, where oneDNN's packed GEMM catches up (hence `MAX_ROWS`). One exception:
+Mixtral's 7168×1024 from one row, which oneDNN reads as fast (0.97×).
+
+Used for: the forward products of the expert bank (grouped.py's `_linear_into`), when all of
+x, w, bias and the output are float32 CPU tensors with contiguous rows, with at most
+`MAX_ROWS` rows. Everything else — backward products, other dtypes, CUDA, CPUs without AVX2,
+machines where the extension was not built (it is optional: pyproject.toml) — runs on
+torch's kernels as before. Numerics: float32 products summed in another order than torch's
+kernels, i.e. the same rounding class (tests compare both against float64).
+
+Threads: torch's own OpenMP team, as many as torch.get_num_threads() says (at least 24 rows
+of the weight each): the kernel runs as one parallel region of the runtime torch loaded, found
+once per process (`torch_openmp`). Threads of our own lost to torch's kernels in the layer,
+sharing the cores with torch's threads that spin after each op (see _small_gemm.cpp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+MAX_ROWS = 64
+_LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The built kernel, or None where it cannot run: no AVX2/FMA (as torch reports the CPU),
+    or no built library next to this file."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / (_LIBRARY_STEM + suffix)
+        if path.is_file():
+            break
+    else:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        fn = lib.moe_ffn_linear_f32
+    except (OSError, AttributeError):
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def torch_openmp() -> Optional[tuple[int, int, int]]:
+    """Addresses of GOMP_parallel, omp_get_thread_num and omp_get_num_threads in the OpenMP
+    runtime torch runs its parallel loops on (the kernel's threads are that runtime's team, see
+    _small_gemm.cpp), or None: torch not on OpenMP, not Linux, or no single libgomp loaded.
+    Without them the kernel is not used: on one thread it is slower than torch's kernels."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {f[-1] for f in (line.split() for line in maps.splitlines()) if len(f) == 6 and "libgomp" in Path(f[-1]).name}
+    if len(paths) != 1:
+        return None
+    try:
+        runtime = ctypes.CDLL(paths.pop())  # already loaded with torch: the same instance
+        names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+        return tuple(ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in names)
+    except (OSError, AttributeError):
+        return None
+
+
+def _rows_contiguous(t: Tensor) -> bool:
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+
+
+def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
+    """out = x·wᵀ + b by the kernel where it applies (see the module doc); returns whether
+    it ran. When it returns False, `out` is untouched and the caller uses torch."""
+    rows = x.shape[0]
+    if not (
+        0 < rows <= MAX_ROWS
+        and x.dtype == w.dtype == out.dtype == torch.float32
+        and x.device.type == "cpu"
+        and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
+        and _rows_contiguous(x)
+        and _rows_contiguous(w)
+        and _rows_contiguous(out)
+        and not torch.compiler.is_compiling()
+    ):
+        return False
+    lib, openmp = library(), torch_openmp()
+    if lib is None or openmp is None:
+        return False
+    O, I = w.shape
+    if x.shape[1] != I or out.shape != (rows, O) or (b is not None and b.shape != (O,)):
+        raise ValueError(
+            f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
+            f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
+        )
+    status = lib.moe_ffn_linear_f32(
+        x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
+        out.data_ptr(), out.stride(0), rows, O, I, torch.get_num_threads(), *openmp,
+    )
+    return status == 0
