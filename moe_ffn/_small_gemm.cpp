@@ -1,16 +1,30 @@
-// The forward product of one expert's small block of rows on x86 CPUs with AVX2 and FMA:
+// The products of one expert's small block of rows on x86 CPUs with AVX2 and FMA, float32:
 //
-//     y[r, o] = sum_i x[r, i] * w[o, i] (+ b[o])     float32, r < R (a few rows), o < O, i < I
+//     forward         y[r, o] = sum_i x[r, i] * w[o, i] (+ b[o])    (x·wᵀ)
+//     input gradient  y[r, i] = sum_o g[r, o] * w[o, i]             (g·w)
 //
-// Built at install time as an optional extension (pyproject.toml) and called through ctypes
-// by moe_ffn/_small_gemm.py, which says when it is used and why (measured numbers there).
-// No Python or torch API here: plain pointers and strides in, the result written to y.
+// for a few rows r (the block) and an expert's weight w [O, I] with contiguous rows. Built at
+// install time as an optional extension (pyproject.toml) and called through ctypes by
+// moe_ffn/_small_gemm.py, which says when it is used and why (measured numbers there). No
+// Python or torch API here: plain pointers and strides in, the result written to y.
 //
-// The kernel: dot products along the contiguous I dim of x and w, in register tiles of up to
-// 4 rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile reuses its 3 rows of w from
-// L1 for every 4 rows of x, so w is streamed from memory once per call and never packed.
-// The rows of w are split between threads in contiguous ranges: with a few rows of x the
-// product is a read of w, and each thread reads its own part (threads: see the entry point).
+// forward: dot products along the contiguous I dim of x and w, in register tiles of up to 4
+// rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile reuses its 3 rows of w from
+// L1 for every 4 rows of x, so w is streamed from memory once per call and never packed. The
+// threads split the rows of w.
+//
+// input gradient: sums of rows of w scaled by g, in register tiles of up to 4 rows of g by 24
+// columns of w. w is walked in chunks of consecutive rows (streamed in memory order); a
+// chunk's 24-column panel stays in L1 while every row tile of g passes over it, adding into
+// y, which stays in L2. The threads split the columns of w.
+//
+// Threads: the caller passes the entry points of the OpenMP runtime torch runs its own
+// parallel loops on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of the libgomp
+// loaded with torch), and each product runs as one parallel region of torch's team. Why not
+// threads of our own: torch's OpenMP threads keep spinning for a while after each parallel op,
+// and threads started beside them share the cores with that spinning (measured in the layer:
+// the forward 1.2–1.7× slower than torch's kernels, where the same kernel on torch's team is
+// faster). Null entry points: the caller's thread does all of it.
 
 #include <immintrin.h>
 
@@ -19,7 +33,60 @@
 
 namespace {
 
-struct Problem {
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes below n set (a mask for the last, partial vector of a row).
+inline __m256i first_lanes(int64_t n) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < n ? -1 : 0;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+}
+
+// ---- running a body on torch's OpenMP team --------------------------------------------------
+
+using ParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+using IntFn = int (*)();
+
+struct Team {
+  void* parallel;  // GOMP_parallel, or null
+  IntFn thread_num, num_threads;
+};
+
+template <typename Body>  // Body: void(int64_t thread, int64_t count)
+struct TeamCall {
+  const Body* body;
+  IntFn thread_num, num_threads;
+  static void run(void* arg) {
+    const TeamCall& call = *static_cast<const TeamCall*>(arg);
+    (*call.body)(call.thread_num(), call.num_threads());
+  }
+};
+
+template <typename Body>
+void on_team(const Team& team, int64_t threads, const Body& body) {
+  if (threads <= 1 || !team.parallel || !team.thread_num || !team.num_threads) {
+    body(0, 1);
+    return;
+  }
+  TeamCall<Body> call{&body, team.thread_num, team.num_threads};
+  reinterpret_cast<ParallelFn>(team.parallel)(TeamCall<Body>::run, &call, static_cast<unsigned>(threads), 0);
+}
+
+// Part t of `count` parts of [0, units), in whole multiples of `step` but for the end.
+inline void share(int64_t units, int64_t step, int64_t t, int64_t count, int64_t* first, int64_t* last) {
+  const int64_t steps = (units + step - 1) / step;
+  *first = std::min(units, steps * t / count * step);
+  *last = std::min(units, steps * (t + 1) / count * step);
+}
+
+// ---- forward: y = x·wᵀ (+ b) ----------------------------------------------------------------
+
+struct Linear {
   const float* x;
   int64_t ldx;
   const float* w;
@@ -30,17 +97,10 @@ struct Problem {
   int64_t rows, in_features;
 };
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// ROWS rows of x (from x) against COLS rows of w (from w), into y; the last I % 8 elements
-// of each row come in through a masked load that reads zeros past the end.
+// ROWS rows of x against COLS rows of w; the last I % 8 elements of each row come in through
+// a masked load that reads zeros past the end.
 template <int ROWS, int COLS>
-void tile(const Problem& p, const float* x, const float* w, float* y, const float* b, __m256i tail_mask) {
+void linear_tile(const Linear& p, const float* x, const float* w, float* y, const float* b, __m256i tail_mask) {
   __m256 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -66,80 +126,171 @@ void tile(const Problem& p, const float* x, const float* w, float* y, const floa
 }
 
 template <int COLS>
-void column_strip(const Problem& p, int64_t o, __m256i tail_mask) {
+void linear_strip(const Linear& p, int64_t o, __m256i tail_mask) {
   const float* w = p.w + o * p.ldw;
   const float* b = p.b ? p.b + o : nullptr;
   int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4) tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
+  for (; r + 4 <= p.rows; r += 4) linear_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
   const float* x = p.x + r * p.ldx;
   float* y = p.y + r * p.ldy + o;
   switch (p.rows - r) {
-    case 3: tile<3, COLS>(p, x, w, y, b, tail_mask); break;
-    case 2: tile<2, COLS>(p, x, w, y, b, tail_mask); break;
-    case 1: tile<1, COLS>(p, x, w, y, b, tail_mask); break;
+    case 3: linear_tile<3, COLS>(p, x, w, y, b, tail_mask); break;
+    case 2: linear_tile<2, COLS>(p, x, w, y, b, tail_mask); break;
+    case 1: linear_tile<1, COLS>(p, x, w, y, b, tail_mask); break;
     default: break;
   }
 }
 
-struct Job {
-  const Problem* problem;
-  int64_t out_features;
-  int (*thread_num)();   // omp_get_thread_num of the runtime that runs the team
-  int (*num_threads)();  // omp_get_num_threads of that runtime
+// Rows [first, last) of w, in strips of 3 rows.
+void linear_range(const Linear& p, int64_t first, int64_t last) {
+  const __m256i tail_mask = first_lanes(p.in_features % 8);
+  int64_t o = first;
+  for (; o + 3 <= last; o += 3) linear_strip<3>(p, o, tail_mask);
+  if (last - o == 2) linear_strip<2>(p, o, tail_mask);
+  if (last - o == 1) linear_strip<1>(p, o, tail_mask);
+}
+
+// ---- input gradient: y = g·w ----------------------------------------------------------------
+
+struct InputGrad {
+  const float* g;
+  int64_t ldg;
+  const float* w;
+  int64_t ldw;
+  float* y;
+  int64_t ldy;
+  int64_t rows, in_features;
 };
 
-// Rows [first, last) of w, as whole strips of 3 rows.
-void run_range(const Problem& p, int64_t first, int64_t last) {
-  const int tail = static_cast<int>(p.in_features % 8);
-  alignas(32) int32_t lanes[8];
-  for (int i = 0; i < 8; ++i) lanes[i] = i < tail ? -1 : 0;
-  const __m256i tail_mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  int64_t o = first;
-  for (; o + 3 <= last; o += 3) column_strip<3>(p, o, tail_mask);
-  if (last - o == 2) column_strip<2>(p, o, tail_mask);
-  if (last - o == 1) column_strip<1>(p, o, tail_mask);
+constexpr int64_t kChunk = 16;  // rows of w per pass over y
+
+// ROWS rows of g by VECS vectors of 8 columns (the last one masked when MASKED), over rows
+// [o0, o0 + count) of w; `fresh`: the first chunk, y is written instead of added to.
+// ROWS (≤ 4) rows of g by VECS (≤ 3) vectors of 8 columns (the last one masked when MASKED),
+// over rows [o0, o0 + count) of w, added into y (written when `fresh`: the first chunk).
+// The accumulators are named variables, not an array: GCC 12 kept a [4][3] array of them in
+// memory and stored all twelve on every step of this loop (it does not for linear_tile's).
+template <int ROWS, int VECS, bool MASKED>
+void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t o0, int64_t count, bool fresh,
+               __m256i mask) {
+  static_assert(1 <= ROWS && ROWS <= 4 && 1 <= VECS && VECS <= 3, "tile");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
+  const int64_t ldg = p.ldg, ldw = p.ldw;
+  const float *g0 = g + o0, *g1 = g0 + ldg, *g2 = g1 + ldg, *g3 = g2 + ldg;
+  const float* w = p.w + o0 * ldw + c;
+  auto load = [mask](const float* at, bool partial) {
+    return partial ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
+  };
+  for (int64_t o = 0; o < count; ++o, w += ldw) {
+    const __m256 w0 = load(w, MASKED && VECS == 1);
+    const __m256 w1 = VECS > 1 ? load(w + 8, MASKED && VECS == 2) : z;
+    const __m256 w2 = VECS > 2 ? load(w + 16, MASKED) : z;
+    __m256 b = _mm256_broadcast_ss(g0 + o);
+    a00 = _mm256_fmadd_ps(b, w0, a00);
+    if constexpr (VECS > 1) a01 = _mm256_fmadd_ps(b, w1, a01);
+    if constexpr (VECS > 2) a02 = _mm256_fmadd_ps(b, w2, a02);
+    if constexpr (ROWS > 1) {
+      b = _mm256_broadcast_ss(g1 + o);
+      a10 = _mm256_fmadd_ps(b, w0, a10);
+      if constexpr (VECS > 1) a11 = _mm256_fmadd_ps(b, w1, a11);
+      if constexpr (VECS > 2) a12 = _mm256_fmadd_ps(b, w2, a12);
+    }
+    if constexpr (ROWS > 2) {
+      b = _mm256_broadcast_ss(g2 + o);
+      a20 = _mm256_fmadd_ps(b, w0, a20);
+      if constexpr (VECS > 1) a21 = _mm256_fmadd_ps(b, w1, a21);
+      if constexpr (VECS > 2) a22 = _mm256_fmadd_ps(b, w2, a22);
+    }
+    if constexpr (ROWS > 3) {
+      b = _mm256_broadcast_ss(g3 + o);
+      a30 = _mm256_fmadd_ps(b, w0, a30);
+      if constexpr (VECS > 1) a31 = _mm256_fmadd_ps(b, w1, a31);
+      if constexpr (VECS > 2) a32 = _mm256_fmadd_ps(b, w2, a32);
+    }
+  }
+  const __m256 acc[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < VECS; ++v) {
+      float* at = y + i * p.ldy + c + 8 * v;
+      const bool partial = MASKED && v == VECS - 1;
+      const __m256 sum = fresh ? acc[i][v] : _mm256_add_ps(acc[i][v], load(at, partial));
+      if (partial) _mm256_maskstore_ps(at, mask, sum);
+      else _mm256_storeu_ps(at, sum);
+    }
 }
 
-// The body every thread of the team runs: its share of the rows of w.
-void team_body(void* arg) {
-  const Job& job = *static_cast<const Job*>(arg);
-  const int64_t t = job.thread_num(), count = job.num_threads();
-  const int64_t strips = (job.out_features + 2) / 3;
-  run_range(*job.problem, std::min(job.out_features, strips * t / count * 3),
-            std::min(job.out_features, strips * (t + 1) / count * 3));
+template <int VECS, bool MASKED>
+void grad_panel(const InputGrad& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask) {
+  int64_t r = 0;
+  for (; r + 4 <= p.rows; r += 4)
+    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask);
+  const float* g = p.g + r * p.ldg;
+  float* y = p.y + r * p.ldy;
+  switch (p.rows - r) {
+    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
+    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
+    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
+    default: break;
+  }
 }
 
-using ParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
-using IntFn = int (*)();
+// Columns [first, last) of y (first a multiple of 8), all rows of w.
+void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t last) {
+  const __m256i mask = first_lanes((last - first) % 8);
+  for (int64_t o0 = 0; o0 < out_features; o0 += kChunk) {
+    const int64_t count = std::min(kChunk, out_features - o0);
+    const bool fresh = o0 == 0;
+    int64_t c = first;
+    for (; c + 24 <= last; c += 24) grad_panel<3, false>(p, c, o0, count, fresh, mask);
+    for (; c + 8 <= last; c += 8) grad_panel<1, false>(p, c, o0, count, fresh, mask);
+    if (c < last) grad_panel<1, true>(p, c, o0, count, fresh, mask);
+  }
+}
 
 }  // namespace
 
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
-// out_features]; row strides ldx, ldw, ldy in elements, every last dim contiguous.
-//
-// Threads: the caller passes the entry points of the OpenMP runtime torch runs its own
-// parallel loops on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of the libgomp
-// loaded with torch), and the kernel runs as one parallel region of `threads` threads on
-// torch's team. Why not threads of our own: torch's OpenMP threads keep spinning for a while
-// after each parallel op, and threads started beside them share the cores with that spinning
-// (measured in the layer: 1.2–1.7× slower than torch's kernels, where the same kernel on
-// torch's team is faster). Null entry points: the caller's thread does all of it.
-// Returns 0, or -1 for arguments it does not take (then y is untouched).
+// out_features]; row strides ldx, ldw, ldy in elements, every last dim contiguous; threads
+// and the runtime's entry points as above. Returns 0, or -1 for arguments it does not take
+// (then y is untouched).
 extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b,
                                   float* y, int64_t ldy, int64_t rows, int64_t out_features,
                                   int64_t in_features, int threads, void* parallel, void* thread_num,
                                   void* num_threads) {
   if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
   if (rows == 0 || out_features == 0) return 0;
-  const Problem problem{x, ldx, w, ldw, b, y, ldy, rows, in_features};
-  // At least 24 rows of w per thread (8 strips), and no more threads than asked.
-  const int64_t useful = std::max<int64_t>(1, out_features / 24);
-  const unsigned count = static_cast<unsigned>(std::min<int64_t>(threads, useful));
-  if (count == 1 || !parallel || !thread_num || !num_threads) {
-    run_range(problem, 0, out_features);
+  const Linear p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  // At least 24 rows of w (8 strips) per thread.
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(out_features, 3, t, n, &first, &last);
+    linear_range(p, first, last);
+  });
+  return 0;
+}
+
+// y = g·w for g [rows, out_features], w [out_features, in_features], y [rows, in_features];
+// as above otherwise.
+extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* w, int64_t ldw, float* y,
+                                      int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
+                                      int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+  if (rows == 0 || in_features == 0) return 0;
+  if (out_features == 0) {
+    for (int64_t r = 0; r < rows; ++r) std::fill(y + r * ldy, y + r * ldy + in_features, 0.0f);
     return 0;
   }
-  Job job{&problem, out_features, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
-  reinterpret_cast<ParallelFn>(parallel)(team_body, &job, count, 0);
+  const InputGrad p{g, ldg, w, ldw, y, ldy, rows, in_features};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  // At least 48 columns (6 vectors) per thread.
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / 48));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(in_features, 8, t, n, &first, &last);
+    if (first < last) grad_range(p, out_features, first, last);
+  });
   return 0;
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -38,13 +39,17 @@ import torch
 from torch import Tensor
 
 MAX_ROWS = 64
+INPUT_GRAD_ROWS = (2, 16)
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The built kernel, or None where it cannot run: no AVX2/FMA (as torch reports the CPU),
-    or no built library next to this file."""
+    no built library next to this file, or switched off with MOE_FFN_SMALL_GEMM=0 (read once
+    per process; then torch's kernels run everything, as on machines without the kernel)."""
+    if os.environ.get("MOE_FFN_SMALL_GEMM", "1") == "0":
+        return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     here = Path(__file__).resolve().parent
@@ -56,12 +61,13 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     try:
         lib = ctypes.CDLL(str(path))
-        fn = lib.moe_ffn_linear_f32
+        linear, input_grad = lib.moe_ffn_linear_f32, lib.moe_ffn_input_grad_f32
     except (OSError, AttributeError):
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
-    fn.restype = ctypes.c_int
+    i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
+    linear.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64] + team
+    input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
+    linear.restype = input_grad.restype = ctypes.c_int
     return lib
 
 
@@ -121,3 +127,31 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
         out.data_ptr(), out.stride(0), rows, O, I, torch.get_num_threads(), *openmp,
     )
     return status == 0
+
+
+def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
+    """g·w_t for w_t = w.t() (w [O, I] with contiguous rows) by the kernel where it applies, as
+    a new [rows, I] tensor; None where it does not (the caller uses torch)."""
+    rows = g.shape[0]
+    w = w_t.t()
+    if not (
+        INPUT_GRAD_ROWS[0] <= rows <= INPUT_GRAD_ROWS[1]
+        and g.dtype == w.dtype == torch.float32
+        and g.device.type == "cpu"
+        and _rows_contiguous(g)
+        and _rows_contiguous(w)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    lib, openmp = library(), torch_openmp()
+    if lib is None or openmp is None:
+        return None
+    O, I = w.shape
+    if g.shape[1] != O:
+        raise ValueError(f"input_grad: g {tuple(g.shape)} does not fit w {tuple(w.shape)}")
+    y = g.new_empty(rows, I)
+    status = lib.moe_ffn_input_grad_f32(
+        g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
+        rows, O, I, torch.get_num_threads(), *openmp,
+    )
+    return y if status == 0 else None

@@ -158,6 +158,10 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
         return F.linear(x, w, b)
+    if b is None and not w.is_contiguous():  # g·W, an input gradient (see _small_gemm)
+        y = _small_gemm.input_grad(x, w)
+        if y is not None:
+            return y
     if rows <= _SPLIT_INNER_MAX_ROWS and b is None and w.t().is_contiguous() and w.shape[1] % 2 == 0:
         half = w.shape[1] // 2  # g·W on both cores (see _SPLIT_INNER_MAX_ROWS)
         y_2MO = torch.bmm(x.reshape(rows, 2, half).transpose(0, 1), w.t().view(2, half, w.shape[0]))

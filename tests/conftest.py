@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """moe_ffn without its own CPU kernel (moe_ffn/_small_gemm.py): every product on torch's
+    kernels, as on machines where the kernel is not built. For tests of that path's choices."""
+    from moe_ffn import _small_gemm
+
+    monkeypatch.setattr(_small_gemm, "library", lambda: None)

@@ -371,7 +371,7 @@ def test_wide_input_gradients_on_sgemm_match_float64(monkeypatch):
 
 
 
-def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch):
+def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch, torch_kernels_only):
     """Between grouped._WIDE_W_XT_ROWS (forced to 8–16 rows here) the down projection's input
     gradient runs as W·gᵀ on the transposed weight view: taken for the 9- and 12-row blocks,
     not for the 1-row one, and the float64 loop's gradients come out."""
@@ -387,7 +387,7 @@ def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch
     assert sorted(calls) == [9, 12]
 
 
-def test_input_gradients_from_one_or_two_rows_split_the_inner_dim_and_match_float64(monkeypatch):
+def test_input_gradients_from_one_or_two_rows_split_the_inner_dim_and_match_float64(monkeypatch, torch_kernels_only):
     """g·W from 1–2 rows (grouped._SPLIT_INNER_MAX_ROWS) runs as a batch of two half products:
     taken for the 1- and 2-row blocks' two input gradients (through W2, then W1), not for the
     3-row block, and the float64 loop's outputs and gradients come out."""

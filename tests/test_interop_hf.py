@@ -2,6 +2,8 @@
 
 Tiny random modules built from transformers' config classes, float32, weights drawn with a
 larger std than transformers' init so routing and activations are far from trivial.
+
+float32 comparisons: reference.assert_close_f32 (1e-5 plus 8 ulp of the largest value).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from moe_ffn import FeedForward, GatedFFN, MoE, pooled_load_balancing_loss  # noqa: E402
 from moe_ffn.interop import from_hf_module, load_hf_state_dict, to_hf_state_dict  # noqa: E402
+from reference import assert_close_f32  # noqa: E402
 
 D = 12  # model width; every hidden width below differs from it and from each other
 ATTN = dict(num_attention_heads=2, num_key_value_heads=1)
@@ -101,7 +104,7 @@ def test_sparse_block_output_and_router_logits_match(name):
         expected = hf(x.clone())
         logits_hf = hf.gate(x)[0]
         got = ours(x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert_close_f32(got, expected)
     torch.testing.assert_close(ours.stats.router_logits_TE, logits_hf, rtol=0, atol=1e-6)
     # Same experts chosen for every token (ties are measure-zero with random weights).
     ids_hf = hf.gate(x)[2]
@@ -115,7 +118,7 @@ def test_dense_mlp_output_matches(name):
     assert isinstance(ours, FeedForward if name == "gpt2" else GatedFFN)
     x = inputs(4)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x.clone()), rtol=0, atol=1e-5)
+        assert_close_f32(ours(x), hf(x.clone()))
 
 
 def test_activations_are_read_from_the_modules():
@@ -142,7 +145,7 @@ def test_mixtral_jitter_matches_in_training():
     torch.manual_seed(7)
     with torch.no_grad():
         got = ours(x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert_close_f32(got, expected)
     torch.manual_seed(7)
     with torch.no_grad():
         assert not torch.allclose(hf.eval()(x.clone()), expected)  # the noise mattered
@@ -155,9 +158,9 @@ def test_gradients_match_mixtral():
     g = inputs(10)
     (hf(x.clone()) * g).sum().backward()
     (ours(x) * g).sum().backward()
-    torch.testing.assert_close(ours.router.weight.grad, hf.gate.weight.grad, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ours.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ours.experts.down_proj.grad, hf.experts.down_proj.grad, rtol=0, atol=1e-5)
+    assert_close_f32(ours.router.weight.grad, hf.gate.weight.grad)
+    assert_close_f32(ours.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad)
+    assert_close_f32(ours.experts.down_proj.grad, hf.experts.down_proj.grad)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
@@ -219,7 +222,7 @@ def test_export_loads_strictly_into_transformers(name):
     dst_hf.load_state_dict(to_hf_state_dict(ours, layout), strict=True)
     x = inputs(17)
     with torch.no_grad():
-        torch.testing.assert_close(dst_hf(x.clone()), ours.eval()(x), rtol=0, atol=1e-5)
+        assert_close_f32(dst_hf(x.clone()), ours.eval()(x))
 
 
 def test_qwen_v4_on_disk_layout_matches_the_transformers_module():
@@ -237,7 +240,7 @@ def test_qwen_v4_on_disk_layout_matches_the_transformers_module():
     load_hf_state_dict(ours, sd, "qwen_moe_v4")
     x = inputs(20)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x.clone()), rtol=0, atol=1e-5)
+        assert_close_f32(ours(x), hf(x.clone()))
 
 
 def test_unsupported_module_lists_the_supported_ones():

@@ -16,6 +16,7 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM  # noqa: E402
 import moe_ffn.interop.safetensors_io as sio  # noqa: E402
 from moe_ffn import FeedForward, GatedFFN, MoE, MoEConfig  # noqa: E402
 from moe_ffn.interop import checkpoint_keys, load_hf_layer, read_hf_layer_tensors, to_hf_state_dict  # noqa: E402
+from reference import assert_close_f32  # noqa: E402
 
 ATTN = dict(num_attention_heads=2, num_key_value_heads=1)
 
@@ -58,7 +59,7 @@ def test_every_layer_matches_the_transformers_layer(mixtral_checkpoints, which):
         ours = load_hf_layer(path, i)
         assert isinstance(ours, MoE) and ours.experts.gate_up_proj.dtype == torch.float32
         with torch.no_grad():
-            torch.testing.assert_close(ours(x), layer.mlp(x.clone()), rtol=0, atol=1e-5)
+            assert_close_f32(ours(x), layer.mlp(x.clone()))
             torch.testing.assert_close(ours.stats.router_logits_TE, layer.mlp.gate(x)[0], rtol=0, atol=1e-6)
 
 
@@ -131,8 +132,7 @@ def test_checkpoint_in_the_fused_v5_layout(mixtral_checkpoints, tmp_path):
     assert read_hf_layer_tensors(tmp_path, 1)[1:] == ("model.layers.1.mlp.", "v5")
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        torch.testing.assert_close(load_hf_layer(tmp_path, 1)(x), model.model.layers[1].mlp(x[None].clone())[0],
-                                   rtol=0, atol=1e-5)
+        assert_close_f32(load_hf_layer(tmp_path, 1)(x), model.model.layers[1].mlp(x[None].clone())[0])
 
 
 def test_dtype_and_device_arguments(mixtral_checkpoints):
@@ -154,8 +154,8 @@ def test_qwen2_moe_checkpoint_with_a_dense_layer(tmp_path):
     assert isinstance(sparse, MoE) and sparse.config.shared_expert_gate
     assert isinstance(dense, GatedFFN) and dense.hidden_dim == 16
     with torch.no_grad():
-        torch.testing.assert_close(sparse(x), model.model.layers[0].mlp(x.clone()), rtol=0, atol=1e-5)
-        torch.testing.assert_close(dense(x), model.model.layers[1].mlp(x.clone()), rtol=0, atol=1e-5)
+        assert_close_f32(sparse(x), model.model.layers[0].mlp(x.clone()))
+        assert_close_f32(dense(x), model.model.layers[1].mlp(x.clone()))
 
 
 def test_gpt2_checkpoint(tmp_path):
@@ -165,7 +165,7 @@ def test_gpt2_checkpoint(tmp_path):
     assert isinstance(ours, FeedForward) and ours.activation == "gelu_tanh"
     x = torch.randn(3, 12, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), model.transformer.h[1].mlp(x.clone()), rtol=0, atol=1e-5)
+        assert_close_f32(ours(x), model.transformer.h[1].mlp(x.clone()))
 
 
 def test_missing_layer_and_mismatched_config_are_clear_errors(mixtral_checkpoints, tmp_path):

@@ -1,0 +1,172 @@
+"""moe_ffn's CPU kernel for small float32 blocks (moe_ffn/_small_gemm.{cpp,py}) against
+float64 products, and the layer with and without it against the float64 per-token loop."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_ffn import MoE, _small_gemm
+from reference import moe_forward
+
+U = 2.0**-24  # float32 unit roundoff
+
+on_x86_linux_with_avx2 = (
+    sys.platform.startswith("linux")
+    and platform.machine() in ("x86_64", "AMD64")
+    and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+)
+
+
+def _needs_kernel():
+    if _small_gemm.library() is None or _small_gemm.torch_openmp() is None:
+        pytest.skip("the kernel is not built or cannot run here (test_kernel_is_built_here says why where it must)")
+
+
+@pytest.mark.skipif(not on_x86_linux_with_avx2, reason="the kernel is built for x86-64 Linux with AVX2 only")
+def test_kernel_is_built_here():
+    """Where the kernel is meant to run, it is built and finds torch's OpenMP team: a failed
+    optional build must not pass unnoticed as "torch's kernels everywhere"."""
+    assert _small_gemm.library() is not None, "moe_ffn/_small_gemm_lib*.so missing: the optional extension did not build"
+    assert _small_gemm.torch_openmp() is not None, "torch's libgomp not found"
+
+
+def _bound(a_abs: torch.Tensor, b_abs: torch.Tensor, n: int) -> torch.Tensor:
+    # |fl(Σ a·b) − Σ a·b| ≤ γ_n Σ|a||b| with γ_n ≈ n·u: the worst case of any summation order.
+    return (n + 2) * U * (a_abs @ b_abs) + 1e-30
+
+
+def _strided(rows: int, cols: int) -> torch.Tensor:
+    """A [rows, cols] view with a row stride larger than cols (a slice of a wider tensor)."""
+    return torch.randn(rows + 2, cols + 5)[1 : rows + 1, 2 : cols + 2]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64(rows, shape, bias):
+    _needs_kernel()
+    O, I = shape
+    x, w = _strided(rows, I), _strided(O, I)
+    b = torch.randn(O) if bias else None
+    out_wide = torch.full((rows, O + 4), float("nan"))
+    out = out_wide[:, 2 : O + 2]
+    assert _small_gemm.linear_into(out, x, w, b)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    bound = _bound(x.double().abs(), w.double().abs().t(), I + 1)
+    if b is not None:  # the bias is one more term of the sum
+        bound = bound + (I + 3) * U * b.double().abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert out_wide[:, :2].isnan().all() and out_wide[:, O + 2 :].isnan().all()  # nothing written outside
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000)])
+def test_input_grad_matches_float64(rows, shape):
+    _needs_kernel()
+    O, I = shape
+    g, w = _strided(rows, O), _strided(O, I)
+    y = _small_gemm.input_grad(g, w.t())
+    assert y is not None and y.shape == (rows, I)
+    ref = g.double() @ w.double()
+    assert ((y.double() - ref).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    """Each output element is one thread's sum in one fixed order: bitwise the same on 1 and
+    2 threads (the threads split the outputs, not the sums)."""
+    _needs_kernel()
+    x, w, g = torch.randn(13, 300), torch.randn(500, 300), torch.randn(9, 500)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = torch.empty(13, 500)
+            assert _small_gemm.linear_into(y, x, w, None)
+            results.append((y, _small_gemm.input_grad(g, w.t())))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bf16", "float64", "rows past the limit", "weight not row-contiguous", "no rows"],
+)
+def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
+    x, w, out = torch.randn(4, 16), torch.randn(8, 16), torch.full((4, 8), 7.0)
+    if case == "bf16":
+        x, w, out = x.bfloat16(), w.bfloat16(), out.bfloat16()
+    elif case == "float64":
+        x, w, out = x.double(), w.double(), out.double()
+    elif case == "rows past the limit":
+        x, out = torch.randn(_small_gemm.MAX_ROWS + 1, 16), torch.full((_small_gemm.MAX_ROWS + 1, 8), 7.0)
+    elif case == "weight not row-contiguous":
+        w = torch.randn(16, 8).t()
+    elif case == "no rows":
+        x, out = x[:0], out[:0]
+    assert not _small_gemm.linear_into(out, x, w, None)
+    assert (out == 7).all()
+    assert _small_gemm.input_grad(torch.randn(1, 8), torch.randn(8, 16).t()) is None  # one row: torch's split
+
+
+def test_misfit_shapes_are_an_error_naming_them():
+    _needs_kernel()
+    with pytest.raises(ValueError, match=r"x \(4, 16\), w \(8, 12\)"):
+        _small_gemm.linear_into(torch.empty(4, 8), torch.randn(4, 16), torch.randn(8, 12), None)
+
+
+def test_environment_switch_turns_the_kernel_off():
+    code = "from moe_ffn import _small_gemm; print(_small_gemm.library() is None)"
+    env = dict(os.environ, MOE_FFN_SMALL_GEMM="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+# --- the layer, float32, with and without the kernel, against the float64 loop ---------------
+
+def _layer_against_float64(T: int):
+    torch.manual_seed(3)
+    D, F, E, K = 40, 24, 4, 2
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)  # float32
+    x = torch.randn(T, D, requires_grad=True)
+    g = torch.randn(T, D)
+    y = moe(x)
+    grads = torch.autograd.grad((y * g).sum(), [x, moe.experts.gate_up_proj, moe.experts.down_proj])
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref = moe_forward(leaves[0], leaves[1], leaves[2], leaves[3], K)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), [leaves[0], leaves[2], leaves[3]])
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5)
+    for name, a, b in zip(("x", "gate_up_proj", "down_proj"), grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
+
+
+def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
+    _needs_kernel()
+    ran = {"linear": 0, "input_grad": 0}
+    linear_into, input_grad = _small_gemm.linear_into, _small_gemm.input_grad
+
+    def counted_linear(*args):
+        done = linear_into(*args)
+        ran["linear"] += done
+        return done
+
+    def counted_grad(*args):
+        y = input_grad(*args)
+        ran["input_grad"] += y is not None
+        return y
+
+    monkeypatch.setattr(_small_gemm, "linear_into", counted_linear)
+    monkeypatch.setattr(_small_gemm, "input_grad", counted_grad)
+    _layer_against_float64(T=12)  # 24 assignments over 4 experts: blocks of 2–16 rows
+    assert ran["linear"] >= 2 * 3 and ran["input_grad"] >= 2 * 3  # both projections of (almost) every expert
+
+
+def test_layer_matches_float64_on_torch_kernels(torch_kernels_only):
+    _layer_against_float64(T=12)
