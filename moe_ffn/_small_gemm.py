@@ -1,4 +1,4 @@
-"""The forward product of small float32 blocks on x86 CPUs: our own kernel (_small_gemm.cpp).
+"""Products of small float32 expert blocks on x86 CPUs: our own kernel (_small_gemm.cpp).
 
 Why: on CPU an expert's block holds a few to a few dozen rows (T·k / E: 2 at T = 16 and 32
 at T = 256 for 64 experts of top-8), and torch's kernels run such products well below the
@@ -13,11 +13,12 @@ rounds, kernel / library: 1.5–1.9× at 1–8 rows, 1.3–1.6× at 16–32, 1.0
 0.95–1.07× at 128, where oneDNN's packed GEMM catches up (hence `MAX_ROWS`). One exception:
 Mixtral's 7168×1024 from one row, which oneDNN reads as fast (0.97×).
 
-Used for: the forward products of the expert bank (grouped.py's `_linear_into`), when all of
-x, w, bias and the output are float32 CPU tensors with contiguous rows, with at most
-`MAX_ROWS` rows. Everything else — backward products, other dtypes, CUDA, CPUs without AVX2,
-machines where the extension was not built (it is optional: pyproject.toml) — runs on
-torch's kernels as before. Numerics: float32 products summed in another order than torch's
+Used for: the expert bank's forward products x·Wᵀ of 1–`MAX_ROWS` rows (grouped.py's
+`_linear_into`) and its input gradients g·W of `INPUT_GRAD_ROWS` rows (grouped.py's
+`_linear`), when every tensor is a float32 CPU tensor with contiguous rows. Everything else —
+weight gradients (written at memory speed already, see grouped.py), other dtypes, CUDA, CPUs
+without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
+MOE_FFN_SMALL_GEMM=0 — runs on torch's kernels as before. Numerics: float32 products summed in another order than torch's
 kernels, i.e. the same rounding class (tests compare both against float64).
 
 Threads: torch's own OpenMP team, as many as torch.get_num_threads() says (at least 24 rows
@@ -95,7 +96,11 @@ def torch_openmp() -> Optional[tuple[int, int, int]]:
 
 
 def _rows_contiguous(t: Tensor) -> bool:
-    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+    return t.dim() == 2 and t.device.type == "cpu" and (t.stride(1) == 1 or t.shape[1] <= 1)
+
+
+def _writable_rows(t: Tensor) -> bool:  # no two rows on the same memory (an expanded tensor)
+    return _rows_contiguous(t) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
 def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
@@ -105,11 +110,10 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     if not (
         0 < rows <= MAX_ROWS
         and x.dtype == w.dtype == out.dtype == torch.float32
-        and x.device.type == "cpu"
-        and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
+        and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous()))
         and _rows_contiguous(x)
         and _rows_contiguous(w)
-        and _rows_contiguous(out)
+        and _writable_rows(out)
         and not torch.compiler.is_compiling()
     ):
         return False
@@ -137,7 +141,6 @@ def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
     if not (
         INPUT_GRAD_ROWS[0] <= rows <= INPUT_GRAD_ROWS[1]
         and g.dtype == w.dtype == torch.float32
-        and g.device.type == "cpu"
         and _rows_contiguous(g)
         and _rows_contiguous(w)
         and not torch.compiler.is_compiling()

@@ -114,6 +114,11 @@ def _grouped_mm_aligned(*tensors: Tensor) -> bool:
     )
 
 
+# Where moe_ffn's own kernel is built (x86 with AVX2, moe_ffn/_small_gemm.py), it takes the
+# forward products of 1–64 rows and the input gradients of 2–16 rows before any of the choices
+# below: it was faster than all of them there. The choices below are what runs elsewhere, and
+# for the other sizes.
+#
 # Decode-sized float32 products (1–16 rows) are reads of the weight. Measured on the 2-core
 # AVX2 EPYC with weights cycling through more than the cache holds (as E experts' do), in GB/s
 # of weight read, for the weights of both benchmark shapes (512×1024 … 7168×1024):

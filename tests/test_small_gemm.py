@@ -97,7 +97,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
 
 @pytest.mark.parametrize(
     "case",
-    ["bf16", "float64", "rows past the limit", "weight not row-contiguous", "no rows"],
+    ["bf16", "float64", "rows past the limit", "weight not row-contiguous", "no rows", "output rows overlap"],
 )
 def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
     x, w, out = torch.randn(4, 16), torch.randn(8, 16), torch.full((4, 8), 7.0)
@@ -111,6 +111,8 @@ def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
         w = torch.randn(16, 8).t()
     elif case == "no rows":
         x, out = x[:0], out[:0]
+    elif case == "output rows overlap":
+        out = torch.full((1, 8), 7.0).expand(4, 8)
     assert not _small_gemm.linear_into(out, x, w, None)
     assert (out == 7).all()
     assert _small_gemm.input_grad(torch.randn(1, 8), torch.randn(8, 16).t()) is None  # one row: torch's split
