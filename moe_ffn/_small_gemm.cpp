@@ -86,10 +86,29 @@ inline void share(int64_t units, int64_t step, int64_t t, int64_t count, int64_t
 
 // ---- forward: y = x·wᵀ (+ b) ----------------------------------------------------------------
 
+// Eight weights as float32 lanes: float32 as they are; bfloat16 (its bits, uint16_t) widened,
+// exactly: a bf16 is the top half of the float32 with the same value.
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// The last n < 8 weights of a row, zeros past them (nothing read past the row's end).
+inline __m256 load_tail(const float* w, int64_t n, __m256i mask) {
+  (void)n;
+  return _mm256_maskload_ps(w, mask);
+}
+inline __m256 load_tail(const uint16_t* w, int64_t n, __m256i) {
+  alignas(32) uint32_t bits[8] = {};
+  for (int64_t i = 0; i < n; ++i) bits[i] = uint32_t{w[i]} << 16;
+  return _mm256_load_ps(reinterpret_cast<const float*>(bits));
+}
+
+template <typename W>  // W: float (float32 weights) or uint16_t (bfloat16 weights)
 struct Linear {
   const float* x;
   int64_t ldx;
-  const float* w;
+  const W* w;
   int64_t ldw;
   const float* b;  // nullptr: no bias
   float* y;
@@ -98,16 +117,16 @@ struct Linear {
 };
 
 // ROWS rows of x against COLS rows of w; the last I % 8 elements of each row come in through
-// a masked load that reads zeros past the end.
-template <int ROWS, int COLS>
-void linear_tile(const Linear& p, const float* x, const float* w, float* y, const float* b, __m256i tail_mask) {
+// loads that read zeros past the end.
+template <int ROWS, int COLS, typename W>
+void linear_tile(const Linear<W>& p, const float* x, const W* w, float* y, const float* b, __m256i tail_mask) {
   __m256 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t whole = p.in_features & ~int64_t{7};
   for (int64_t k = 0; k < whole; k += 8) {
     __m256 w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = _mm256_loadu_ps(w + j * p.ldw + k);
+    for (int j = 0; j < COLS; ++j) w_k[j] = load8(w + j * p.ldw + k);
     for (int i = 0; i < ROWS; ++i) {
       const __m256 x_k = _mm256_loadu_ps(x + i * p.ldx + k);
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(x_k, w_k[j], acc[i][j]);
@@ -115,7 +134,7 @@ void linear_tile(const Linear& p, const float* x, const float* w, float* y, cons
   }
   if (whole < p.in_features) {
     __m256 w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = _mm256_maskload_ps(w + j * p.ldw + whole, tail_mask);
+    for (int j = 0; j < COLS; ++j) w_k[j] = load_tail(w + j * p.ldw + whole, p.in_features - whole, tail_mask);
     for (int i = 0; i < ROWS; ++i) {
       const __m256 x_k = _mm256_maskload_ps(x + i * p.ldx + whole, tail_mask);
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(x_k, w_k[j], acc[i][j]);
@@ -125,9 +144,9 @@ void linear_tile(const Linear& p, const float* x, const float* w, float* y, cons
     for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = horizontal_sum(acc[i][j]) + (b ? b[j] : 0.0f);
 }
 
-template <int COLS>
-void linear_strip(const Linear& p, int64_t o, __m256i tail_mask) {
-  const float* w = p.w + o * p.ldw;
+template <int COLS, typename W>
+void linear_strip(const Linear<W>& p, int64_t o, __m256i tail_mask) {
+  const W* w = p.w + o * p.ldw;
   const float* b = p.b ? p.b + o : nullptr;
   int64_t r = 0;
   for (; r + 4 <= p.rows; r += 4) linear_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
@@ -142,12 +161,29 @@ void linear_strip(const Linear& p, int64_t o, __m256i tail_mask) {
 }
 
 // Rows [first, last) of w, in strips of 3 rows.
-void linear_range(const Linear& p, int64_t first, int64_t last) {
+template <typename W>
+void linear_range(const Linear<W>& p, int64_t first, int64_t last) {
   const __m256i tail_mask = first_lanes(p.in_features % 8);
   int64_t o = first;
   for (; o + 3 <= last; o += 3) linear_strip<3>(p, o, tail_mask);
   if (last - o == 2) linear_strip<2>(p, o, tail_mask);
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
+}
+
+template <typename W>
+int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, float* y, int64_t ldy,
+           int64_t rows, int64_t out_features, int64_t in_features, int threads, const Team& team) {
+  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+  if (rows == 0 || out_features == 0) return 0;
+  const Linear<W> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
+  // At least 24 rows of w (8 strips) per thread.
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(out_features, 3, t, n, &first, &last);
+    linear_range(p, first, last);
+  });
+  return 0;
 }
 
 // ---- input gradient: y = g·w ----------------------------------------------------------------
@@ -246,23 +282,22 @@ void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
 // out_features]; row strides ldx, ldw, ldy in elements, every last dim contiguous; threads
 // and the runtime's entry points as above. Returns 0, or -1 for arguments it does not take
-// (then y is untouched).
+// (then y is untouched). x, b and y are float32; w is float32 (_f32) or bfloat16 (_bf16w,
+// widened to float32 exactly as it is loaded: the same sums as on a float32 copy of w).
 extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b,
                                   float* y, int64_t ldy, int64_t rows, int64_t out_features,
                                   int64_t in_features, int threads, void* parallel, void* thread_num,
                                   void* num_threads) {
-  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
-  if (rows == 0 || out_features == 0) return 0;
-  const Linear p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
-  // At least 24 rows of w (8 strips) per thread.
-  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
-  on_team(team, count, [&](int64_t t, int64_t n) {
-    int64_t first, last;
-    share(out_features, 3, t, n, &first, &last);
-    linear_range(p, first, last);
-  });
-  return 0;
+  return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
+}
+
+extern "C" int moe_ffn_linear_bf16w(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b,
+                                    float* y, int64_t ldy, int64_t rows, int64_t out_features,
+                                    int64_t in_features, int threads, void* parallel, void* thread_num,
+                                    void* num_threads) {
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
 }
 
 // y = g·w for g [rows, out_features], w [out_features, in_features], y [rows, in_features];

@@ -228,8 +228,9 @@ def _count_grouped_mm(monkeypatch):
 
 
 @_bf16_decode_path
-def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch):
-    """On CPUs without bf16 matrix units, decode-sized bf16 blocks go through one
+def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch, torch_kernels_only):
+    """On CPUs without bf16 matrix units (and without moe_ffn's own kernel, which takes these
+    blocks where it is built), decode-sized bf16 blocks go through one
     torch._grouped_mm per projection; the result is the per-block loop's (the same native
     GEMMs), both within bf16 rounding of float64, and the gradients match too."""
     x, w1, w2, counts, token, weight = _bf16_decode_case()
@@ -264,7 +265,7 @@ def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch):
 
 
 @_bf16_decode_path
-def test_bf16_decode_grouped_ffn_zeroes_rows_past_the_counted_ones(monkeypatch):
+def test_bf16_decode_grouped_ffn_zeroes_rows_past_the_counted_ones(monkeypatch, torch_kernels_only):
     x, w1, w2, counts, token, _ = _bf16_decode_case()
     x_ND = x.index_select(0, token)
     calls = _count_grouped_mm(monkeypatch)

@@ -65,6 +65,24 @@ def test_linear_matches_float64(rows, shape, bias):
     assert out_wide[:, :2].isnan().all() and out_wide[:, O + 2 :].isnan().all()  # nothing written outside
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, 64])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (50, 17), (97, 3), (256, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_on_bf16_weights_is_the_float32_product_rounded_once(rows, shape, bias):
+    """bf16 x, w, b: the weights are read as bf16 and widened exactly, the products summed in
+    float32 and rounded to bf16 once: within bf16's unit roundoff of the float64 result, plus the
+    float32 sum's own error bound."""
+    _needs_kernel()
+    O, I = shape
+    x, w = _strided(rows, I).bfloat16(), _strided(O, I).bfloat16()
+    b = torch.randn(O).bfloat16() if bias else None
+    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x, w, b)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    sum_error = _bound(x.double().abs(), w.double().abs().t(), I + 1) + (0 if b is None else (I + 3) * U * b.double().abs())
+    assert ((out.double() - ref).abs() <= 2.0**-8 * (ref.abs() + sum_error) + sum_error).all()  # bf16: u = 2^-8
+
+
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000)])
 def test_input_grad_matches_float64(rows, shape):
@@ -97,12 +115,15 @@ def test_results_do_not_depend_on_the_number_of_threads():
 
 @pytest.mark.parametrize(
     "case",
-    ["bf16", "float64", "rows past the limit", "weight not row-contiguous", "no rows", "output rows overlap"],
+    ["float16", "float64", "mixed dtypes", "rows past the limit", "weight not row-contiguous", "no rows",
+     "output rows overlap"],
 )
 def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
     x, w, out = torch.randn(4, 16), torch.randn(8, 16), torch.full((4, 8), 7.0)
-    if case == "bf16":
-        x, w, out = x.bfloat16(), w.bfloat16(), out.bfloat16()
+    if case == "float16":
+        x, w, out = x.half(), w.half(), out.half()
+    elif case == "mixed dtypes":
+        w = w.bfloat16()
     elif case == "float64":
         x, w, out = x.double(), w.double(), out.double()
     elif case == "rows past the limit":
@@ -172,3 +193,23 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
 
 def test_layer_matches_float64_on_torch_kernels(torch_kernels_only):
     _layer_against_float64(T=12)
+
+
+def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
+    """A bf16 layer's forward at decode sizes (blocks of a few rows): every block's products
+    on the kernel (bf16 weights read as they are), the output within bf16 rounding of the
+    float64 loop."""
+    _needs_kernel()
+    ran = []
+    linear_into = _small_gemm.linear_into
+    monkeypatch.setattr(_small_gemm, "linear_into", lambda *a: ran.append(linear_into(*a)) or ran[-1])
+    torch.manual_seed(5)
+    D, F, E, K, T = 64, 48, 4, 2, 10
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x = torch.randn(T, D).bfloat16()
+    with torch.no_grad():
+        y = moe(x)
+    assert ran and all(ran)
+    params = [p.detach().double() for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref = moe_forward(x.double(), *params, K)
+    assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
