@@ -1,17 +1,18 @@
-"""Products of small float32 expert blocks on x86 CPUs: our own kernel (_small_gemm.cpp).
+"""Products of small expert blocks on x86 CPUs: our own kernel (_small_gemm.cpp).
 
 Why: on CPU an expert's block holds a few to a few dozen rows (T·k / E: 2 at T = 16 and 32
 at T = 256 for 64 experts of top-8), and torch's kernels run such products well below the
 machine's rate: oneDNN's inner product, MKL's sgemm and sgemm on W·xᵀ, whichever grouped.py
 picks as fastest for the size, read an expert's weight at 5–11 GB/s for 1–4 rows where the
 two cores read 15–20, and reach 43–68 GFLOP/s at 16–32 rows where a square matmul runs at
-94–144. The kernel here computes the dot products straight off the weight's rows (no
-packing) with both cores reading their own rows of it. `profiling/kernel_headroom.py`
-measures it against `grouped._linear` on the benchmark's expert shapes, 64 (fine-grained) or
-8 (Mixtral) experts' weights in turn; on the 2-core AVX2 EPYC, medians of 7 interleaved
-rounds, kernel / library: 1.5–1.9× at 1–8 rows, 1.3–1.6× at 16–32, 1.05–1.3× at 64, and
-0.95–1.07× at 128, where oneDNN's packed GEMM catches up (hence `MAX_ROWS`). One exception:
-Mixtral's 7168×1024 from one row, which oneDNN reads as fast (0.97×).
+94–144. The kernel computes the products straight off the weight's rows (no packing), both
+cores on their own part of the weight. `profiling/kernel_headroom.py` times it against the
+torch kernel grouped.py would choose, on the benchmark's expert weights (64 or 8 experts'
+weights in turn, 7 interleaved rounds, medians; 2-core AVX2 EPYC, 2026-12-01), kernel /
+torch: forward 1.0–1.7× at 1–8 rows, 1.1–1.5× at 16–32, 0.97–1.12× at 64 and 0.82–0.94× at
+128 (hence `MAX_ROWS`); input gradient 1.0–1.8× at 2–16 rows, 0.78–1.13× from one row
+(torch's split into two half products, grouped.py, is kept there) and 0.69–1.07× at 32–64
+(hence `INPUT_GRAD_ROWS`).
 
 Used for: the expert bank's forward products x·Wᵀ of 1–`MAX_ROWS` rows (grouped.py's
 `_linear_into`) and its input gradients g·W of `INPUT_GRAD_ROWS` rows (grouped.py's
