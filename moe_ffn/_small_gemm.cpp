@@ -30,6 +30,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -219,13 +221,12 @@ inline __attribute__((always_inline)) void fma_row(__m256 g_io, __m256 w0, __m25
 // memory and stored all twelve on every step of this loop (it does not for linear_tile's).
 template <int ROWS, int VECS, bool MASKED>
 void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t o0, int64_t count, bool fresh,
-               __m256i mask) {
+               __m256i mask, const float* w, int64_t ldw) {
   static_assert(1 <= ROWS && ROWS <= 4 && 1 <= VECS && VECS <= 3, "tile");
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
-  const int64_t ldg = p.ldg, ldw = p.ldw;
+  const int64_t ldg = p.ldg;
   const float *g0 = g + o0, *g1 = g0 + ldg, *g2 = g1 + ldg, *g3 = g2 + ldg;
-  const float* w = p.w + o0 * ldw + c;
   auto load = [mask](const float* at, bool partial) {
     return partial ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
   };
@@ -249,31 +250,68 @@ void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t 
     }
 }
 
+// w: the panel's first row at its first column, ldw apart (w itself, or a packed copy).
 template <int VECS, bool MASKED>
-void grad_panel(const InputGrad& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask) {
+void grad_panel(const InputGrad& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask, const float* w,
+                int64_t ldw) {
   int64_t r = 0;
   for (; r + 4 <= p.rows; r += 4)
-    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask);
+    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask, w, ldw);
   const float* g = p.g + r * p.ldg;
   float* y = p.y + r * p.ldy;
   switch (p.rows - r) {
-    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
-    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
-    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask); break;
+    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
+    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
+    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
     default: break;
   }
 }
 
-// Columns [first, last) of y (first a multiple of 8), all rows of w.
+constexpr int64_t kPackRows = 24;     // rows of g from which w is packed
+constexpr int64_t kPackedChunk = 64;  // rows of w per pass over y when packed
+
+// Columns [first, last) of y (first a multiple of 8), all rows of w. From kPackRows rows of g,
+// each chunk of w's rows is first copied, row after row (read in memory order), into panels
+// of consecutive rows: read in place, a panel's rows lie a row length apart, which for a
+// power-of-two length puts them all in one L1 set, evicting each other while the row tiles
+// pass over them.
 void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t last) {
   const __m256i mask = first_lanes((last - first) % 8);
-  for (int64_t o0 = 0; o0 < out_features; o0 += kChunk) {
-    const int64_t count = std::min(kChunk, out_features - o0);
+  const bool pack = p.rows >= kPackRows;
+  const int64_t chunk = pack ? kPackedChunk : kChunk;
+  const int64_t width = last - first, padded = (width + 7) / 8 * 8;
+  std::vector<float> packed(pack ? chunk * padded : 0);
+  for (int64_t o0 = 0; o0 < out_features; o0 += chunk) {
+    const int64_t count = std::min(chunk, out_features - o0);
     const bool fresh = o0 == 0;
-    int64_t c = first;
-    for (; c + 24 <= last; c += 24) grad_panel<3, false>(p, c, o0, count, fresh, mask);
-    for (; c + 8 <= last; c += 8) grad_panel<1, false>(p, c, o0, count, fresh, mask);
-    if (c < last) grad_panel<1, true>(p, c, o0, count, fresh, mask);
+    // panel q of width wq starts at column c (relative to first); packed at chunk·c, rows wq apart
+    auto panel = [&](int64_t c, int64_t wq) -> std::pair<const float*, int64_t> {
+      if (!pack) return {p.w + o0 * p.ldw + first + c, p.ldw};
+      return {packed.data() + chunk * c, wq};
+    };
+    if (pack) {
+      for (int64_t o = 0; o < count; ++o) {
+        const float* src = p.w + (o0 + o) * p.ldw + first;
+        int64_t c = 0;
+        for (; c + 24 <= width; c += 24)
+          for (int v = 0; v < 3; ++v) _mm256_storeu_ps(packed.data() + chunk * c + o * 24 + 8 * v, _mm256_loadu_ps(src + c + 8 * v));
+        for (; c + 8 <= width; c += 8) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, _mm256_loadu_ps(src + c));
+        if (c < width) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, _mm256_maskload_ps(src + c, mask));
+      }
+    }
+    int64_t c = 0;
+    for (; c + 24 <= width; c += 24) {
+      const auto [w, ldw] = panel(c, 24);
+      grad_panel<3, false>(p, first + c, o0, count, fresh, mask, w, ldw);
+    }
+    for (; c + 8 <= width; c += 8) {
+      const auto [w, ldw] = panel(c, 8);
+      grad_panel<1, false>(p, first + c, o0, count, fresh, mask, w, ldw);
+    }
+    if (c < width) {
+      const auto [w, ldw] = panel(c, 8);
+      grad_panel<1, true>(p, first + c, o0, count, fresh, mask, w, ldw);
+    }
   }
 }
 

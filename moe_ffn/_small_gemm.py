@@ -10,9 +10,12 @@ cores on their own part of the weight. `profiling/kernel_headroom.py` times it a
 torch kernel grouped.py would choose, on the benchmark's expert weights (64 or 8 experts'
 weights in turn, 7 interleaved rounds, medians; 2-core AVX2 EPYC, 2026-12-01), kernel /
 torch: forward 1.0–1.7× at 1–8 rows, 1.1–1.5× at 16–32, 0.97–1.12× at 64 and 0.82–0.94× at
-128 (hence `MAX_ROWS`); input gradient 1.0–1.8× at 2–16 rows, 0.78–1.13× from one row
-(torch's split into two half products, grouped.py, is kept there) and 0.69–1.07× at 32–64
-(hence `INPUT_GRAD_ROWS`).
+128 (hence `MAX_ROWS`); input gradient 1.0–1.8× at 2–16 rows and 0.78–1.13× from one row
+(torch's split into two half products, grouped.py, is kept there). From 24 rows the input
+gradient packs w first (_small_gemm.cpp says why): at 32–64 rows it went from 0.69–1.07× of
+torch without packing to 1.06–1.22× with it (16–64 rows, 7 rounds, 01:28 UTC), and in the
+layer, input gradients of up to 64 rows against up to 16 (interleaved A/B, fp32
+forward+backward): fine T=128 180 → 175 ms, T=256 253 → 241 ms, Mixtral T=256 324 → 322 ms.
 
 Used for: the expert bank's forward products x·Wᵀ of 1–`MAX_ROWS` rows (grouped.py's
 `_linear_into`) and its input gradients g·W of `INPUT_GRAD_ROWS` rows (grouped.py's
@@ -47,7 +50,7 @@ import torch
 from torch import Tensor
 
 MAX_ROWS = 64
-INPUT_GRAD_ROWS = (2, 16)
+INPUT_GRAD_ROWS = (2, 64)
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
 

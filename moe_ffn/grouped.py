@@ -115,7 +115,7 @@ def _grouped_mm_aligned(*tensors: Tensor) -> bool:
 
 
 # Where moe_ffn's own kernel is built (x86 with AVX2, moe_ffn/_small_gemm.py), it takes the
-# forward products of 1–64 rows and the input gradients of 2–16 rows before any of the choices
+# forward products of 1–64 rows and the input gradients of 2–64 rows before any of the choices
 # below: it was faster than all of them there. The choices below are what runs elsewhere, and
 # for the other sizes.
 #

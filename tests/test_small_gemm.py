@@ -84,7 +84,7 @@ def test_linear_on_bf16_weights_is_the_float32_product_rounded_once(rows, shape,
     assert ((out.double() - ref).abs() <= 2.0**-8 * (ref.abs() + sum_error) + sum_error).all()  # bf16: u = 2^-8
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16, 24, 37, 64])  # from 24: w packed first
 @pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000)])
 def test_input_grad_matches_float64(rows, shape):
     _needs_kernel()
