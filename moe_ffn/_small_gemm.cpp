@@ -14,9 +14,10 @@
 // threads split the rows of w.
 //
 // input gradient: sums of rows of w scaled by g, in register tiles of up to 4 rows of g by 24
-// columns of w. w is walked in chunks of consecutive rows (streamed in memory order); a
-// chunk's 24-column panel stays in L1 while every row tile of g passes over it, adding into
-// y, which stays in L2. The threads split the columns of w.
+// columns of w. w is walked in chunks of consecutive rows, and every row tile of g passes over
+// a chunk's 24-column panel, adding into y, which stays in L2. From 24 rows of g the chunk is
+// first packed (read row after row) so that a panel's rows are adjacent (see grad_range). The
+// threads split the columns of w.
 //
 // Threads: the caller passes the entry points of the OpenMP runtime torch runs its own
 // parallel loops on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of the libgomp

@@ -85,9 +85,15 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def _kernel() -> Optional[tuple[ctypes.CDLL, tuple[int, int, int]]]:
+    """(the library, torch's OpenMP entry points), or None where the kernel does not run."""
+    lib, openmp = library(), torch_openmp()
+    return None if lib is None or openmp is None else (lib, openmp)
+
+
 def available() -> bool:
     """Whether the kernel runs here (built, AVX2, torch on a libgomp team, not switched off)."""
-    return library() is not None and torch_openmp() is not None
+    return _kernel() is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,15 +145,16 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
         and not torch.compiler.is_compiling()
     ):
         return False
-    if not available():
+    kernel = _kernel()
+    if kernel is None:
         return False
+    lib, openmp = kernel
     O, I = w.shape
     if x.shape[1] != I or out.shape != (rows, O) or (b is not None and b.shape != (O,)):
         raise ValueError(
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    lib, openmp = library(), torch_openmp()
     if x.dtype == torch.float32:
         fn, y = lib.moe_ffn_linear_f32, out
     else:
@@ -175,9 +182,10 @@ def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
         and not torch.compiler.is_compiling()
     ):
         return None
-    if not available():
+    kernel = _kernel()
+    if kernel is None:
         return None
-    lib, openmp = library(), torch_openmp()
+    lib, openmp = kernel
     O, I = w.shape
     if g.shape[1] != O:
         raise ValueError(f"input_grad: g {tuple(g.shape)} does not fit w {tuple(w.shape)}")
