@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -107,22 +108,35 @@ inline __m256 load_tail(const uint16_t* w, int64_t n, __m256i) {
   return _mm256_load_ps(reinterpret_cast<const float*>(bits));
 }
 
-template <typename W>  // W: float (float32 weights) or uint16_t (bfloat16 weights)
+// A float32 sum as a bfloat16 (its bits), rounded to nearest, ties to even; NaN as the quiet
+// NaN 0x7FC0. The same rounding as torch's float32 → bfloat16 conversion (c10::BFloat16).
+inline uint16_t round_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void store(float* y, float value) { *y = value; }
+inline void store(uint16_t* y, float value) { *y = round_to_bf16(value); }
+
+// W: float (float32 weights) or uint16_t (bfloat16 weights, read as they are); Y: float, or
+// uint16_t (each float32 sum rounded to bfloat16 as it is stored).
+template <typename W, typename Y>
 struct Linear {
   const float* x;
   int64_t ldx;
   const W* w;
   int64_t ldw;
   const float* b;  // nullptr: no bias
-  float* y;
+  Y* y;
   int64_t ldy;
   int64_t rows, in_features;
 };
 
 // ROWS rows of x against COLS rows of w; the last I % 8 elements of each row come in through
 // loads that read zeros past the end.
-template <int ROWS, int COLS, typename W>
-void linear_tile(const Linear<W>& p, const float* x, const W* w, float* y, const float* b, __m256i tail_mask) {
+template <int ROWS, int COLS, typename W, typename Y>
+void linear_tile(const Linear<W, Y>& p, const float* x, const W* w, Y* y, const float* b, __m256i tail_mask) {
   __m256 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -144,17 +158,17 @@ void linear_tile(const Linear<W>& p, const float* x, const W* w, float* y, const
     }
   }
   for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = horizontal_sum(acc[i][j]) + (b ? b[j] : 0.0f);
+    for (int j = 0; j < COLS; ++j) store(y + i * p.ldy + j, horizontal_sum(acc[i][j]) + (b ? b[j] : 0.0f));
 }
 
-template <int COLS, typename W>
-void linear_strip(const Linear<W>& p, int64_t o, __m256i tail_mask) {
+template <int COLS, typename W, typename Y>
+void linear_strip(const Linear<W, Y>& p, int64_t o, __m256i tail_mask) {
   const W* w = p.w + o * p.ldw;
   const float* b = p.b ? p.b + o : nullptr;
   int64_t r = 0;
   for (; r + 4 <= p.rows; r += 4) linear_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
   const float* x = p.x + r * p.ldx;
-  float* y = p.y + r * p.ldy + o;
+  Y* y = p.y + r * p.ldy + o;
   switch (p.rows - r) {
     case 3: linear_tile<3, COLS>(p, x, w, y, b, tail_mask); break;
     case 2: linear_tile<2, COLS>(p, x, w, y, b, tail_mask); break;
@@ -164,8 +178,8 @@ void linear_strip(const Linear<W>& p, int64_t o, __m256i tail_mask) {
 }
 
 // Rows [first, last) of w, in strips of 3 rows.
-template <typename W>
-void linear_range(const Linear<W>& p, int64_t first, int64_t last) {
+template <typename W, typename Y>
+void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   const __m256i tail_mask = first_lanes(p.in_features % 8);
   int64_t o = first;
   for (; o + 3 <= last; o += 3) linear_strip<3>(p, o, tail_mask);
@@ -173,12 +187,12 @@ void linear_range(const Linear<W>& p, int64_t first, int64_t last) {
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
 }
 
-template <typename W>
-int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, float* y, int64_t ldy,
+template <typename W, typename Y>
+int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, Y* y, int64_t ldy,
            int64_t rows, int64_t out_features, int64_t in_features, int threads, const Team& team) {
   if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
   if (rows == 0 || out_features == 0) return 0;
-  const Linear<W> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
+  const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
   // At least 24 rows of w (8 strips) per thread.
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
   on_team(team, count, [&](int64_t t, int64_t n) {
@@ -321,8 +335,7 @@ void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
 // out_features]; row strides ldx, ldw, ldy in elements, every last dim contiguous; threads
 // and the runtime's entry points as above. Returns 0, or -1 for arguments it does not take
-// (then y is untouched). x, b and y are float32; w is float32 (_f32) or bfloat16 (_bf16w,
-// widened to float32 exactly as it is loaded: the same sums as on a float32 copy of w).
+// (then y is untouched).
 extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b,
                                   float* y, int64_t ldy, int64_t rows, int64_t out_features,
                                   int64_t in_features, int threads, void* parallel, void* thread_num,
@@ -331,12 +344,30 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
   return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
 }
 
-extern "C" int moe_ffn_linear_bf16w(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* b,
-                                    float* y, int64_t ldy, int64_t rows, int64_t out_features,
-                                    int64_t in_features, int threads, void* parallel, void* thread_num,
-                                    void* num_threads) {
+// The same product with every tensor bfloat16 (their bits): x and b are widened to float32
+// first (a few rows, on the calling thread), w is widened as it is loaded (exactly: a bf16 is
+// the top half of the float32 of the same value), the sums run in float32, and each is
+// rounded to bfloat16 once as it is stored. The sums are the ones moe_ffn_linear_f32 forms on
+// float32 copies of x, w and b, in the same order.
+extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
+                                   const uint16_t* b, uint16_t* y, int64_t ldy, int64_t rows,
+                                   int64_t out_features, int64_t in_features, int threads, void* parallel,
+                                   void* thread_num, void* num_threads) {
+  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+  auto widen = [](uint16_t bits) {
+    const uint32_t wide = uint32_t{bits} << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof value);
+    return value;
+  };
+  std::vector<float> x_wide(static_cast<size_t>(rows * in_features));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in_features; ++i) x_wide[r * in_features + i] = widen(x[r * ldx + i]);
+  std::vector<float> b_wide(b ? static_cast<size_t>(out_features) : 0);
+  for (size_t o = 0; o < b_wide.size(); ++o) b_wide[o] = widen(b[o]);
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
-  return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
+  return linear(x_wide.data(), in_features, w, ldw, b ? b_wide.data() : nullptr, y, ldy, rows, out_features,
+                in_features, threads, team);
 }
 
 // y = g·w for g [rows, out_features], w [out_features, in_features], y [rows, in_features];

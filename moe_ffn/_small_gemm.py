@@ -72,7 +72,7 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     try:
         lib = ctypes.CDLL(str(path))
-        linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16w
+        linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         input_grad = lib.moe_ffn_input_grad_f32
     except (OSError, AttributeError):
         return None
@@ -132,7 +132,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     it ran. When it returns False, `out` is untouched and the caller uses torch.
 
     float32 x, w, b, out: computed in place. bfloat16 ones: x and b widened to float32 (a few
-    rows), w read as it is (the bulk of the bytes), the float32 result rounded into out once."""
+    rows), w read as it is (the bulk of the bytes), each float32 sum rounded to bfloat16 once
+    (to nearest even, as torch rounds) as the kernel writes it into out."""
     rows = x.shape[0]
     if not (
         0 < rows <= MAX_ROWS
@@ -155,17 +156,11 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    if x.dtype == torch.float32:
-        fn, y = lib.moe_ffn_linear_f32, out
-    else:
-        fn, y = lib.moe_ffn_linear_bf16w, torch.empty(rows, O)
-        x, b = x.float(), None if b is None else b.float()
+    fn = lib.moe_ffn_linear_f32 if x.dtype == torch.float32 else lib.moe_ffn_linear_bf16
     status = fn(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
-        y.data_ptr(), y.stride(0), rows, O, I, torch.get_num_threads(), *openmp,
+        out.data_ptr(), out.stride(0), rows, O, I, torch.get_num_threads(), *openmp,
     )
-    if status == 0 and y is not out:
-        out.copy_(y)
     return status == 0
 
 

@@ -84,6 +84,49 @@ def test_linear_on_bf16_weights_is_the_float32_product_rounded_once(rows, shape,
     assert ((out.double() - ref).abs() <= 2.0**-8 * (ref.abs() + sum_error) + sum_error).all()  # bf16: u = 2^-8
 
 
+
+def test_bf16_results_round_to_nearest_even_as_torch_does():
+    """The kernel rounds each float32 sum to bf16 as it writes it: the same bits as torch's
+    float32 → bf16 conversion, on sums that are exact in float32 and land on ties (to even, up
+    and down), just off them, on infinities and on NaN (x = [1, 2^-8, …] against chosen rows)."""
+    _needs_kernel()
+    t = 2.0**-8  # half a bf16 unit at 1: 1 + t lies halfway between 1 and 1 + 2^-7
+    x = torch.tensor([[1.0, t, t * t]])
+    rows_of_w = [
+        [1.0, 1.0, 0.0],  # 1 + t: a tie, to the even 1
+        [1.0 + 2 * t, 1.0, 0.0],  # 1 + 3t: a tie, to the even 1 + 4t
+        [1.0, 1.0, 1.0],  # 1 + t + t²: just above the tie, up
+        [-1.0, -1.0, 0.0],  # −(1 + t): to −1
+        [-1.0, -1.0, 1.0],  # −1 − t + t²: just below the tie in size, to −1
+        [(2 - 2**-7) * 2.0**127, 2.0**127, 0.0],  # bf16's largest + half its unit, finite in
+        # float32: a tie, to the even of bf16's largest (odd) and 2^128, i.e. inf
+        [float("inf"), 0.0, 0.0],
+        [float("inf"), float("-inf"), 0.0],  # inf − inf: NaN
+        [0.0, 0.0, 0.0],
+        [-0.0, 0.0, 0.0],
+    ]
+    w = torch.tensor(rows_of_w).bfloat16()
+    assert (w.float() == torch.tensor(rows_of_w)).all(), "the rows must be exact in bf16"
+    out = torch.empty(1, len(rows_of_w), dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x.bfloat16(), w, None)
+    sums = (x.double() @ w.double().t()).float()  # exact: a few powers of two apart
+    expected = sums.bfloat16()
+    same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
+    assert same.all(), f"kernel {out.tolist()} against torch {expected.tolist()}"
+    assert out[0, :3].tolist() == [1.0, 1.0 + 4 * t, 1.0 + 2 * t]  # the ties, by hand
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(rows):
+    """Bitwise: the bf16 entry forms the same float32 sums as the float32 one on x, w, b widened
+    (exactly), and its rounding is torch's."""
+    _needs_kernel()
+    x, w, b = torch.randn(rows, 300).bfloat16(), torch.randn(77, 300).bfloat16(), torch.randn(77).bfloat16()
+    out, out32 = torch.empty(rows, 77, dtype=torch.bfloat16), torch.empty(rows, 77)
+    assert _small_gemm.linear_into(out, x, w, b)
+    assert _small_gemm.linear_into(out32, x.float(), w.float(), b.float())
+    assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
+
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16, 24, 37, 64])  # from 24: w packed first
 @pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000)])
 def test_input_grad_matches_float64(rows, shape):
