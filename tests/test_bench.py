@@ -135,6 +135,42 @@ def test_targets_scale_the_2x_goal_by_what_the_roofline_leaves(bench):
     assert "- MISSED: mixtral fp32 fwd+bwd T=256: ×1.25 over hf_grouped_mm (target ×1.50; the roofline allows ×2.0)" in text
 
 
+def test_a_row_faster_than_the_roofline_marks_the_run_unreliable(bench):
+    rows = [_row("moe_ffn", 16, 0.45, 0.2), _row("hf_grouped_mm", 16, 1.0)]
+    bench._add_speedups(rows)
+    assert "NOT RELIABLE" not in bench.targets({"rows": rows})
+    rows[1]["frac_best"] = rows[1]["frac_roofline"] = 1.17  # transformers' row above the roofline
+    text = bench.targets({"rows": rows})
+    assert "- NOT RELIABLE: 1 rows ran faster than this run's roofline (up to 1.17 of it)" in text
+
+
+def test_ceilings_are_the_best_readings_over_all_probes(bench):
+    """Short probes between cases carry fp32 and at most the case's dtype: each ceiling is the
+    best reading of the probes that have it, with that probe's layout."""
+    start = {"gemm_fp32_gflops": 80.0, "gemm_fp32_layout": "a@bT", "gemm_bf16_gflops": 11.0,
+             "gemm_bf16_layout": "a@bT", "bandwidth_gbs": 16.0, "gemm_best_gflops": 80.0}
+    between = [{"gemm_fp32_gflops": 117.0, "gemm_fp32_layout": "a@b", "bandwidth_gbs": 20.5, "gemm_best_gflops": 117.0},
+               {"gemm_fp32_gflops": 90.0, "gemm_fp32_layout": "a@bT", "gemm_bf16_gflops": 17.5,
+                "gemm_bf16_layout": "a@bT", "bandwidth_gbs": 15.0, "gemm_best_gflops": 90.0}]
+    end = dict(start, gemm_fp32_gflops=91.0, gemm_best_gflops=91.0)
+    best = bench.best_ceilings([start, *between, end])
+    assert best == {"gemm_fp32_gflops": 117.0, "gemm_fp32_layout": "a@b", "gemm_bf16_gflops": 17.5,
+                    "gemm_bf16_layout": "a@bT", "bandwidth_gbs": 20.5, "gemm_best_gflops": 117.0}
+    result = dict(_result("cpu"), ceilings=best, ceiling_probes=[start, *between, end])
+    text = bench.table(result)
+    assert "(the best of the probes before and after the grid and 2 short ones between its cases)" in text
+    assert "start probe 80 / 11 GFLOP/s, 16.0 GB/s; end probe 91 / 11 GFLOP/s, 16.0 GB/s" in text
+    assert "between cases fp32 90–117 GFLOP/s, 15.0–20.5 GB/s." in text
+
+
+def test_probe_between_cases_reads_plausible_rates(bench):
+    probe = bench.probe_between_cases(torch.device("cpu"), {"fp32": "a@bT", "bf16": "a@bT"}, "bf16")
+    assert set(probe) == {"gemm_fp32_gflops", "gemm_fp32_layout", "gemm_bf16_gflops", "gemm_bf16_layout",
+                          "bandwidth_gbs", "gemm_best_gflops"}
+    assert 0.1 < probe["gemm_bf16_gflops"] and probe["gemm_fp32_gflops"] < 1e5 and probe["bandwidth_gbs"] > 0.1
+    assert probe["gemm_best_gflops"] == max(probe["gemm_fp32_gflops"], probe["gemm_bf16_gflops"])
+
+
 def _result(device):
     ceilings = {"gemm_fp32_gflops": 50000.0, "gemm_bf16_gflops": 800000.0, "gemm_bf16_layout": "a@bT",
                 "bandwidth_gbs": 4000.0, "gemm_best_gflops": 800000.0}
