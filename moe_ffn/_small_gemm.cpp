@@ -3,7 +3,8 @@
 //     forward         y[r, o] = sum_i x[r, i] * w[o, i] (+ b[o])    (x·wᵀ)
 //     input gradient  y[r, i] = sum_o g[r, o] * w[o, i]             (g·w)
 //
-// for a few rows r (the block) and an expert's weight w [O, I] with contiguous rows. Built at
+// for a few rows r (the block) and an expert's weight w [O, I] with contiguous rows; the
+// forward also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16). Built at
 // install time as an optional extension (pyproject.toml) and called through ctypes by
 // moe_ffn/_small_gemm.py, which says when it is used and why (measured numbers there). No
 // Python or torch API here: plain pointers and strides in, the result written to y.
@@ -360,10 +361,15 @@ extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_
     std::memcpy(&value, &wide, sizeof value);
     return value;
   };
-  std::vector<float> x_wide(static_cast<size_t>(rows * in_features));
+  std::vector<float> x_wide, b_wide;
+  try {  // no exception may leave a C entry point
+    x_wide.resize(static_cast<size_t>(rows * in_features));
+    b_wide.resize(b ? static_cast<size_t>(out_features) : 0);
+  } catch (...) {
+    return -1;
+  }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < in_features; ++i) x_wide[r * in_features + i] = widen(x[r * ldx + i]);
-  std::vector<float> b_wide(b ? static_cast<size_t>(out_features) : 0);
   for (size_t o = 0; o < b_wide.size(); ++o) b_wide[o] = widen(b[o]);
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
   return linear(x_wide.data(), in_features, w, ldw, b ? b_wide.data() : nullptr, y, ldy, rows, out_features,
