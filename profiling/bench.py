@@ -133,12 +133,17 @@ def measure_ceilings(quick: bool, device: torch.device = torch.device("cpu")) ->
         t = _median_time(_square(n, dtype, best, device), 3 if quick else 5, device)
         out[f"gemm_{name}_gflops"] = 2 * n**3 / t / 1e9
         out[f"gemm_{name}_layout"] = best
-    src = torch.randn((256 if gpu else 64) * 2**20, device=device)  # 1 GiB / 256 MiB: past any cache
-    dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), 5 if quick else 9, device)
-    out["bandwidth_gbs"] = 2 * src.numel() * src.element_size() / t / 1e9  # read + write
+    out["bandwidth_gbs"] = _copy_bandwidth(device, 5 if quick else 9)
     out["gemm_best_gflops"] = max(out[f"gemm_{k}_gflops"] for k in DTYPES)
     return out
+
+
+def _copy_bandwidth(device: torch.device, reps: int) -> float:
+    """GB/s of a large copy, read + write bytes (1 GiB on a GPU, 256 MiB here: past any cache)."""
+    src = torch.randn((256 if device.type == "cuda" else 64) * 2**20, device=device)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), reps, device)
+    return 2 * src.numel() * src.element_size() / t / 1e9
 
 
 def probe_between_cases(device: torch.device, layouts: dict, dtype_name: str) -> dict:
@@ -158,10 +163,7 @@ def probe_between_cases(device: torch.device, layouts: dict, dtype_name: str) ->
         t = _median_time(_square(n, DTYPES[name], layouts[name], device), 3, device)
         out[f"gemm_{name}_gflops"] = 2 * n**3 / t / 1e9
         out[f"gemm_{name}_layout"] = layouts[name]
-    src = torch.randn((256 if gpu else 64) * 2**20, device=device)
-    dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), 3, device)
-    out["bandwidth_gbs"] = 2 * src.numel() * src.element_size() / t / 1e9
+    out["bandwidth_gbs"] = _copy_bandwidth(device, 3)
     out["gemm_best_gflops"] = max(v for k, v in out.items() if k.startswith("gemm_") and k.endswith("_gflops"))
     return out
 
@@ -414,6 +416,7 @@ def bench(args) -> dict:
     device = torch.device(args.device)
     probes = [measure_ceilings(args.quick, device)]
     _print_ceilings("start", probes[0])
+    layouts = {k: probes[0][f"gemm_{k}_layout"] for k in DTYPES}  # for the probes between cases
     rows, notes = [], []
     for shape_name in args.configs:
         shape = SHAPES[shape_name]
@@ -475,7 +478,6 @@ def bench(args) -> dict:
                         rows.append(row)
                     _print_case(rows[-len(run_names):])
                     if args.probe_between:
-                        layouts = {k: probes[0][f"gemm_{k}_layout"] for k in DTYPES}
                         probes.append(probe_between_cases(device, layouts, dtype_name))
             del impls
     probes.append(measure_ceilings(args.quick, device))
@@ -637,11 +639,13 @@ def targets(result: dict) -> str:
     def verdict(ok, text):
         out.append(f"- {'met' if ok else 'MISSED'}: {text}")
 
-    above = [r for r in rows if r["frac_best"] > 1.0 or (r["dtype"] == "fp32" and r["frac_roofline"] > 1.0)]
+    # (the bf16 rate's fraction may exceed 1 by design: moe_ffn multiplies bf16 in fp32)
+    top = [max(r["frac_best"], r["frac_roofline"] if r["dtype"] == "fp32" else 0.0) for r in rows]
+    above = [f for f in top if f > 1.0]
     if above:  # a row faster than the roofline: the probes read the ceilings low
         out.append(
             f"- NOT RELIABLE: {len(above)} rows ran faster than this run's roofline (up to "
-            f"{max(max(r['frac_best'], r['frac_roofline'] if r['dtype'] == 'fp32' else 0) for r in above):.2f} of it), so "
+            f"{max(above):.2f} of it), so "
             "its probes read the machine's ceilings low; the fractions below, and the T ≤ 256 "
             "targets scaled by the roofline, read too high (too easy) in this run"
         )
