@@ -277,6 +277,14 @@ _ACCUMULATE_ELEMENTS = 1 << 21
 # to memory; one row is left to sgemm, whose single pass into fresh memory was steadier.
 _OUTER_INNER = (2, 4)
 _OUTER_MAX_ELEMENTS = 1 << 21
+# Weight gradients stay on torch's kernels. Tried on 2026-12-01 and not kept: our own AVX2 kernel
+# for c = aᵀ·b (6×16 register tiles, a and b packed, each element of c stored once). It was
+# faster into memory already written: 8 or 64 experts in turn, 7 interleaved rounds, medians,
+# 1.1–1.7× sgemm at 32–64 rows. In the layer, though, the gradient is fresh memory, and there
+# it won nothing. Times of the weight-gradient products within a forward+backward step,
+# interleaved A/B: Mixtral T=256 193–198 ms against torch's 203; fine-grained T=256 141
+# against 122. With c's rows split between the two threads (both cores touching fresh pages at
+# once), a Mixtral T=1 step took 101 ms against torch's 44.
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) -> None:
