@@ -280,11 +280,12 @@ _OUTER_MAX_ELEMENTS = 1 << 21
 # Weight gradients stay on torch's kernels. Tried on 2026-12-01 and not kept: our own AVX2 kernel
 # for c = aᵀ·b (6×16 register tiles, a and b packed, each element of c stored once). It was
 # faster into memory already written: 8 or 64 experts in turn, 7 interleaved rounds, medians,
-# 1.1–1.7× sgemm at 32–64 rows. In the layer, though, the gradient is fresh memory, and there
-# it won nothing. Times of the weight-gradient products within a forward+backward step,
-# interleaved A/B: Mixtral T=256 193–198 ms against torch's 203; fine-grained T=256 141
+# 1.08–1.45× the faster of sgemm's overwrite and accumulate at 32–64 rows. In the layer,
+# though, the gradient is fresh memory, and there it won nothing. Times of the weight-gradient
+# products within a forward+backward step, interleaved A/B, kernel against torch: Mixtral
+# T=256 193–198 against 203 ms in one run, 158 against 156 in another; fine-grained T=256 141
 # against 122. With c's rows split between the two threads (both cores touching fresh pages at
-# once), a Mixtral T=1 step took 101 ms against torch's 44.
+# once), a whole Mixtral T=1 step took 101 ms against torch's 44 (one thread: 57).
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) -> None:
