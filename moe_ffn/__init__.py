@@ -4,6 +4,7 @@ A Mixture-of-Experts layer over a bank of gated FFN experts held in single batch
 and the dense blocks (classic FFN, SwiGLU, GeGLU, ...) that are its one-expert case.
 """
 
+from moe_ffn._memory import release_gradient_memory
 from moe_ffn.activations import ACTIVATIONS
 from moe_ffn.config import MoEConfig
 from moe_ffn.dense import GLU, Bilinear, FeedForward, GatedFFN, GeGLU, ReGLU, SwiGLU
@@ -37,6 +38,7 @@ __all__ = [
     "llama_intermediate_size",
     "load_balancing_loss",
     "pooled_load_balancing_loss",
+    "release_gradient_memory",
     "router_z_loss",
     "update_expert_biases",
 ]

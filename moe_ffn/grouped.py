@@ -794,8 +794,12 @@ def _ffn_backward(
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
     # The weight gradients are the largest fresh buffers of a step. Experts without rows get
     # exact zeros; `_memory.zeros` gives them without writing (or faulting in) their pages.
-    grad_w1 = _memory.zeros(x, *shape_w(E, H, D))
-    grad_w2 = _memory.zeros(x, *shape_w(E, D, F_))
+    if need_w:
+        mostly_written = 2 * len(blocks) >= E
+        grad_w1 = _memory.gradient_zeros(w1_EHD, x, mostly_written)
+        grad_w2 = _memory.gradient_zeros(w2_EDF, x, mostly_written)
+    else:
+        grad_w1, grad_w2 = x.new_empty(0, 0, 0), x.new_empty(0, 0, 0)
     grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
     grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
     written = set()  # experts whose weight gradient holds a first piece (see _groups)

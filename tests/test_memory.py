@@ -123,3 +123,114 @@ def test_idle_experts_gradients_are_exact_zeros_never_written():
         # the active expert's slice, rounded out to whole (huge) pages; the reads above of the
         # idle experts map the kernel's shared zero page, which is not counted as resident
         assert resident <= one_expert + 2 * (2 << 20), (resident, grad.numel() * grad.element_size())
+
+
+# --- a weight's gradient memory, kept for its next gradient ---------------------------------
+
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped buffers are Linux-only")
+
+
+@pytest.fixture
+def keep(monkeypatch):
+    monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: True)
+    yield
+    _memory.release_gradient_memory()
+
+
+@needs_linux
+@pytest.mark.parametrize("mostly_written", [True, False])
+def test_gradient_memory_is_reused_only_once_no_tensor_holds_it(keep, mostly_written):
+    weight = torch.empty(4, 512, 1024)  # 8 MiB: the mapped path
+    like = torch.empty(0)
+    first = _memory.gradient_zeros(weight, like, mostly_written)
+    assert first.shape == weight.shape and first.dtype == torch.float32 and (first == 0).all()
+    first.fill_(3.0)
+    view = first[2, :4, :4]
+    del first
+    second = _memory.gradient_zeros(weight, like, mostly_written)  # the view still holds the first
+    assert (view == 3.0).all() and (second == 0).all()
+    assert not (view.data_ptr() <= second.data_ptr() < view.data_ptr() + weight.numel() * 4)
+    address = second.data_ptr()
+    second.fill_(5.0)
+    del second
+    third = _memory.gradient_zeros(weight, like, mostly_written)  # the second is gone: its memory
+    assert third.data_ptr() == address and (third == 0).all()
+    assert (view == 3.0).all()
+
+
+@needs_linux
+def test_gradient_memory_goes_with_the_weight_and_on_release(keep):
+    weight = torch.empty(4, 512, 1024)
+    grad = _memory.gradient_zeros(weight, torch.empty(0), True)
+    assert len(_memory._kept) == 1
+    del weight
+    assert len(_memory._kept) == 0
+    weight = torch.empty(4, 512, 1024)
+    del grad
+    _memory.gradient_zeros(weight, torch.empty(0), True)
+    _memory.release_gradient_memory()
+    assert len(_memory._kept) == 0
+
+
+def test_gradient_memory_switched_off_gives_fresh_zeros(monkeypatch):
+    monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: False)
+    weight = torch.empty(4, 512, 1024)
+    a = _memory.gradient_zeros(weight, torch.empty(0), True)
+    address = a.data_ptr()
+    a.fill_(1.0)
+    del a
+    b = _memory.gradient_zeros(weight, torch.empty(0), True)
+    assert (b == 0).all() and len(_memory._kept) == 0
+    del b, address
+
+
+@needs_linux
+@pytest.mark.parametrize("tokens", [(64, 1), (1, 64)], ids=["all-then-one", "one-then-all"])
+def test_steps_on_kept_gradient_memory_match_the_reference_loop(keep, tokens):
+    """Two training steps, `.grad` dropped in between as `zero_grad()` does: each step's
+    weight gradients equal the float64 per-token loop's, the second step's are made on the
+    first step's memory, and experts idle in a step have exact zero gradients whatever the
+    memory held (64 tokens reach most of the 32 experts, 1 token one of them)."""
+    from moe_ffn import MoE
+    from reference import moe_forward
+
+    torch.manual_seed(0)
+    moe = MoE(dim=256, hidden_dim=128, num_experts=32, top_k=1).double()
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    addresses = []
+    for T in tokens:
+        x = torch.randn(T, 256, dtype=torch.float64)
+        g = torch.randn(T, 256, dtype=torch.float64)
+        moe(x).backward(g)
+        ref_gate_up, ref_down = (p.detach().clone().requires_grad_() for p in (gate_up, down))
+        moe_forward(x, moe.router.weight.detach(), ref_gate_up, ref_down, 1).backward(g)
+        torch.testing.assert_close(gate_up.grad, ref_gate_up.grad, atol=1e-12, rtol=0)
+        torch.testing.assert_close(down.grad, ref_down.grad, atol=1e-12, rtol=0)
+        active = set(moe.stats.expert_ids_TK.flatten().tolist())
+        idle = [e for e in range(32) if e not in active]
+        assert idle and (gate_up.grad[idle] == 0).all() and (down.grad[idle] == 0).all()
+        addresses.append((gate_up.grad.data_ptr(), down.grad.data_ptr()))
+        moe.zero_grad(set_to_none=True)
+    assert addresses[0] == addresses[1]
+
+
+@needs_linux
+def test_accumulating_over_micro_batches_on_kept_gradient_memory(keep):
+    """`.grad` kept between backward calls: the second call's gradient needs memory of its
+    own (the first is still `.grad`), and the sum is the sum of the two calls' gradients;
+    a third call reuses the second's memory once autograd has added it in."""
+    from moe_ffn import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(dim=256, hidden_dim=128, num_experts=32, top_k=2).double()
+    xs = [torch.randn(48, 256, dtype=torch.float64) for _ in range(3)]
+    expected = []
+    for x in xs:
+        moe.zero_grad(set_to_none=True)
+        moe(x).sum().backward()
+        expected.append(moe.experts.gate_up_proj.grad.clone())
+    _memory.release_gradient_memory()
+    moe.zero_grad(set_to_none=True)
+    for x in xs:
+        moe(x).sum().backward()
+    torch.testing.assert_close(moe.experts.gate_up_proj.grad, sum(expected), atol=1e-10, rtol=0)
