@@ -123,11 +123,14 @@ def _map(nbytes: int) -> mmap.mmap | None:
 #
 # Why: with `.grad` set to None between steps (what `zero_grad()` does by default), every
 # backward step writes the weight gradients into fresh memory, and the kernel has to zero each
-# fresh page before handing it over. Measured on the 2-core EPYC, fp32 forward+backward
-# against fresh mappings (interleaved A/B, medians): keeping the previous step's memory and
-# zeroing it with a memset took Mixtral T=256 677 → 561 ms, fine-grained T=256 641 → 510,
-# Mixtral T=16 247 → 233, fine-grained T=16 271 → 213. torch's CUDA caching allocator keeps
-# freed memory for the same reason; here it is kept per weight, so it goes with the weight.
+# fresh page before handing it over. Measured on the 2-core EPYC, fp32 forward+backward,
+# interleaved A/B in one process, medians: fresh mappings against the previous step's memory
+# zeroed with a memset against that memory overwritten where experts have rows (grouped.py):
+# Mixtral T=256 565 / 460 / 409 ms (11 rounds), fine-grained T=256 569 / 448 / 413, Mixtral
+# T=16 161 / 171 / 133, fine-grained T=16 212 / 159 / 132; how much the fresh pages cost
+# swings with the machine's state (another run: Mixtral T=16 358 fresh, 203 memset). torch's
+# CUDA caching allocator keeps freed memory for the same reason; here it is kept per weight,
+# so it goes with the weight.
 #
 # How: the table maps a weight to the mapping of the last gradient made for it. When no
 # tensor uses that mapping any more (the optimizer's step is over and `.grad` was dropped),
@@ -152,14 +155,18 @@ def _unused(buffer: mmap.mmap) -> bool:
     return sys.getrefcount(buffer) <= 4
 
 
-def gradient_zeros(weight: Tensor, like: Tensor, mostly_written: bool) -> Tensor:
-    """`zeros(like, *weight.shape)` for weight's gradient, made on the memory of weight's
-    previous gradient when no tensor uses that any more (see above).
+def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[Tensor, bool]:
+    """Memory for weight's gradient (shape weight.shape, like's dtype and device), made on the
+    memory of weight's previous gradient when no tensor uses that any more (see above), for a
+    caller that writes the slices `written` of its first dim (the experts with rows) and
+    leaves the others zero. Returns (gradient, stale).
 
-    mostly_written: whether the caller writes most of the gradient (most experts have rows).
-    Reused memory is then zeroed with a memset (its pages stay mapped); otherwise its pages
-    are given back (MADV_DONTNEED) and read as zeros, as a fresh mapping's do, so that the
-    idle experts' pages are not written.
+    The slices not in `written` read as zeros. With stale False so do the written ones; with
+    stale True they hold an old gradient, and the caller must overwrite each of them (not add
+    to it). Reused memory of a mostly written gradient has only its other slices zeroed (its
+    pages stay mapped); reused memory of a mostly idle one gives its pages back
+    (MADV_DONTNEED) and reads as zeros, as a fresh mapping does, so that the idle experts'
+    pages are not written.
     """
     shape, dtype = tuple(weight.shape), like.dtype
     nbytes = math.prod(shape) * dtype.itemsize
@@ -170,7 +177,7 @@ def gradient_zeros(weight: Tensor, like: Tensor, mostly_written: bool) -> Tensor
         or not sys.platform.startswith("linux")
         or torch.compiler.is_compiling()
     ):
-        return zeros(like, *shape, dtype=dtype)
+        return zeros(like, *shape, dtype=dtype), False
     with _kept_lock:
         buffer = _kept.get(weight)
         if buffer is not None and (len(buffer) != nbytes or not _unused(buffer)):
@@ -178,15 +185,18 @@ def gradient_zeros(weight: Tensor, like: Tensor, mostly_written: bool) -> Tensor
         if buffer is None:
             buffer = _map(nbytes)
             if buffer is None:
-                return like.new_zeros(shape, dtype=dtype)
+                return like.new_zeros(shape, dtype=dtype), False
             _kept[weight] = buffer
-            return torch.frombuffer(buffer, dtype=dtype).view(shape)
+            return torch.frombuffer(buffer, dtype=dtype).view(shape), False
         grad = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    if mostly_written:
-        grad.zero_()
-    else:
+    if 2 * len(written) < shape[0]:
         buffer.madvise(mmap.MADV_DONTNEED)
-    return grad
+        return grad, False
+    keep = set(written)
+    for e in range(shape[0]):
+        if e not in keep:
+            grad[e].zero_()
+    return grad, True
 
 
 def release_gradient_memory() -> None:

@@ -2,6 +2,7 @@
 //
 //     forward         y[r, o] = sum_i x[r, i] * w[o, i] (+ b[o])    (x·wᵀ)
 //     input gradient  y[r, i] = sum_o g[r, o] * w[o, i]             (g·w)
+//     weight gradient c[m, n] = sum_r a[r, m] * b[r, n]             (aᵀ·b)
 //
 // for a few rows r (the block) and an expert's weight w [O, I] with contiguous rows; the
 // forward also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16). Built at
@@ -19,6 +20,11 @@
 // a chunk's 24-column panel, adding into y, which stays in L2. From 24 rows of g the chunk is
 // first packed (read row after row) so that a panel's rows are adjacent (see grad_range). The
 // threads split the columns of w.
+//
+// weight gradient: for a few rows r (an expert's block) and a large c (the expert's weight
+// gradient), in register tiles of 6 rows by 16 columns of c; b's rows are packed into 16-column
+// panels and a's into 6-row tiles, and each element of c is stored once (no clearing pass). The
+// threads split the columns of c.
 //
 // Threads: the caller passes the entry points of the OpenMP runtime torch runs its own
 // parallel loops on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of the libgomp
@@ -331,6 +337,135 @@ void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t
   }
 }
 
+// ---- weight gradient: c = aᵀ·b --------------------------------------------------------------
+
+struct WeightGrad {
+  const float* a;  // [k, m], rows lda apart (the output gradient's rows of the block)
+  int64_t lda;
+  const float* b;  // [k, n], rows ldb apart (the layer input's rows)
+  int64_t ldb;
+  float* c;        // [m, n], rows ldc apart
+  int64_t ldc;
+  int64_t k, m, n;
+};
+
+constexpr int64_t kWgTileRows = 6;   // rows of c per register tile
+constexpr int64_t kWgPanel = 16;     // columns of c per register tile (two vectors)
+constexpr int64_t kWgBlockRows = 48; // rows of c whose slice of a is packed at a time
+constexpr int64_t kWgDepth = 256;     // rows of a and b per pass (deeper products add passes)
+
+// ROWS (≤ 6) rows of c by 16 columns, summed over `depth` steps: a_pack holds the steps' 6
+// values of a one after another (6 floats a step), b_pack the 16 values of b (16 a step).
+// The accumulators are named variables (see grad_tile for why). Stored into c, added to it
+// when `add`; the last COLS < 16 columns masked by `mask0`/`mask1` when `partial`.
+template <int ROWS>
+void wgrad_tile(const float* a_pack, const float* b_pack, int64_t depth, float* c, int64_t ldc, bool add,
+                bool partial, __m256i mask0, __m256i mask1) {
+  static_assert(1 <= ROWS && ROWS <= 6, "tile");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  for (int64_t s = 0; s < depth; ++s, a_pack += kWgTileRows, b_pack += kWgPanel) {
+    const __m256 b0 = _mm256_loadu_ps(b_pack), b1 = _mm256_loadu_ps(b_pack + 8);
+    __m256 a_i = _mm256_broadcast_ss(a_pack);
+    c00 = _mm256_fmadd_ps(a_i, b0, c00);
+    c01 = _mm256_fmadd_ps(a_i, b1, c01);
+    if constexpr (ROWS > 1) {
+      a_i = _mm256_broadcast_ss(a_pack + 1);
+      c10 = _mm256_fmadd_ps(a_i, b0, c10);
+      c11 = _mm256_fmadd_ps(a_i, b1, c11);
+    }
+    if constexpr (ROWS > 2) {
+      a_i = _mm256_broadcast_ss(a_pack + 2);
+      c20 = _mm256_fmadd_ps(a_i, b0, c20);
+      c21 = _mm256_fmadd_ps(a_i, b1, c21);
+    }
+    if constexpr (ROWS > 3) {
+      a_i = _mm256_broadcast_ss(a_pack + 3);
+      c30 = _mm256_fmadd_ps(a_i, b0, c30);
+      c31 = _mm256_fmadd_ps(a_i, b1, c31);
+    }
+    if constexpr (ROWS > 4) {
+      a_i = _mm256_broadcast_ss(a_pack + 4);
+      c40 = _mm256_fmadd_ps(a_i, b0, c40);
+      c41 = _mm256_fmadd_ps(a_i, b1, c41);
+    }
+    if constexpr (ROWS > 5) {
+      a_i = _mm256_broadcast_ss(a_pack + 5);
+      c50 = _mm256_fmadd_ps(a_i, b0, c50);
+      c51 = _mm256_fmadd_ps(a_i, b1, c51);
+    }
+  }
+  const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int i = 0; i < ROWS; ++i) {
+    float* row = c + i * ldc;
+    for (int v = 0; v < 2; ++v) {
+      float* at = row + 8 * v;
+      const __m256i mask = v == 0 ? mask0 : mask1;
+      if (partial) {
+        const __m256 sum = add ? _mm256_add_ps(acc[i][v], _mm256_maskload_ps(at, mask)) : acc[i][v];
+        _mm256_maskstore_ps(at, mask, sum);
+      } else {
+        _mm256_storeu_ps(at, add ? _mm256_add_ps(acc[i][v], _mm256_loadu_ps(at)) : acc[i][v]);
+      }
+    }
+  }
+}
+
+// Panels [q0, q1) of c (16 columns each) over steps [s0, s0 + depth) of a and b, every row of
+// c. b's steps are packed first into the panels (zeros past n), a panel's steps adjacent; then
+// a block of c's rows at a time, a's slice for the block is packed into tiles of 6 (zeros past
+// the block), and each panel of b passes under the block's tiles from L1. Read in place, a's
+// and b's rows lie a row length apart, a power of two for these shapes, which puts a panel's
+// rows in one L1 set.
+void wgrad_range(const WeightGrad& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, bool add, float* b_pack,
+                 float* a_pack) {
+  const int64_t full = p.n / kWgPanel;
+  for (int64_t q = q0; q < q1; ++q) {
+    float* dst = b_pack + (q - q0) * depth * kWgPanel;
+    const int64_t col = q * kWgPanel, width = std::min(kWgPanel, p.n - col);
+    for (int64_t s = 0; s < depth; ++s) {
+      const float* src = p.b + (s0 + s) * p.ldb + col;
+      if (width == kWgPanel) {
+        _mm256_storeu_ps(dst + s * kWgPanel, _mm256_loadu_ps(src));
+        _mm256_storeu_ps(dst + s * kWgPanel + 8, _mm256_loadu_ps(src + 8));
+      } else {
+        for (int64_t j = 0; j < kWgPanel; ++j) dst[s * kWgPanel + j] = j < width ? src[j] : 0.0f;
+      }
+    }
+  }
+  const int64_t tail = p.n - full * kWgPanel;
+  const __m256i mask0 = first_lanes(std::min<int64_t>(tail, 8)), mask1 = first_lanes(std::max<int64_t>(tail - 8, 0));
+  for (int64_t r0 = 0; r0 < p.m; r0 += kWgBlockRows) {
+    const int64_t rows = std::min(kWgBlockRows, p.m - r0);
+    const int64_t tiles = (rows + kWgTileRows - 1) / kWgTileRows;
+    for (int64_t t = 0; t < tiles; ++t) {
+      float* dst = a_pack + t * depth * kWgTileRows;
+      const int64_t row = r0 + t * kWgTileRows, count = std::min(kWgTileRows, r0 + rows - row);
+      for (int64_t s = 0; s < depth; ++s) {
+        const float* src = p.a + (s0 + s) * p.lda + row;
+        for (int64_t i = 0; i < kWgTileRows; ++i) dst[s * kWgTileRows + i] = i < count ? src[i] : 0.0f;
+      }
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      const float* b_q = b_pack + (q - q0) * depth * kWgPanel;
+      const bool partial = q == full;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t row = r0 + t * kWgTileRows, count = std::min(kWgTileRows, r0 + rows - row);
+        const float* a_t = a_pack + t * depth * kWgTileRows;
+        float* c = p.c + row * p.ldc + q * kWgPanel;
+        switch (count) {
+          case 6: wgrad_tile<6>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          case 5: wgrad_tile<5>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          case 4: wgrad_tile<4>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          case 3: wgrad_tile<3>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          case 2: wgrad_tile<2>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          default: wgrad_tile<1>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
@@ -395,6 +530,46 @@ extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* 
     int64_t first, last;
     share(in_features, 8, t, n, &first, &last);
     if (first < last) grad_range(p, out_features, first, last);
+  });
+  return 0;
+}
+
+// c = aᵀ·b, or c += aᵀ·b with `accumulate`, for a [k, m], b [k, n], c [m, n] (a weight
+// gradient: a the output gradient's rows, b the input's); row strides lda, ldb, ldc in
+// elements, every last dim contiguous; threads and the runtime's entry points as above. The
+// threads split c's columns. Returns 0, or -1 for arguments it does not take (c untouched).
+extern "C" int moe_ffn_weight_grad_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                       int64_t ldc, int64_t k, int64_t m, int64_t n, int accumulate, int threads,
+                                       void* parallel, void* thread_num, void* num_threads) {
+  if (k < 0 || m < 0 || n < 0 || threads < 1) return -1;
+  if (m == 0 || n == 0) return 0;
+  if (k == 0) {
+    if (!accumulate)
+      for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
+    return 0;
+  }
+  const WeightGrad p{a, lda, b, ldb, c, ldc, k, m, n};
+  const int64_t depth = std::min(k, kWgDepth);
+  const int64_t panels = (n + kWgPanel - 1) / kWgPanel;
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, panels / 4));
+  const int64_t most = (panels + count - 1) / count;  // panels of one thread, at most
+  const size_t per_thread = static_cast<size_t>(depth * (most * kWgPanel + kWgBlockRows));
+  std::vector<float> buffers;
+  try {  // no exception may leave a C entry point
+    buffers.resize(per_thread * static_cast<size_t>(count));
+  } catch (...) {
+    return -1;
+  }
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  on_team(team, count, [&](int64_t t, int64_t parts) {
+    int64_t q0, q1;
+    share(panels, 1, t, parts, &q0, &q1);
+    float* b_pack = buffers.data() + per_thread * t;
+    float* a_pack = b_pack + depth * most * kWgPanel;
+    for (int64_t s0 = 0; s0 < k; s0 += kWgDepth) {
+      const int64_t d = std::min(kWgDepth, k - s0);
+      if (q0 < q1) wgrad_range(p, q0, q1, s0, d, accumulate || s0 > 0, b_pack, a_pack);
+    }
   });
   return 0;
 }

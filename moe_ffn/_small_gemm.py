@@ -24,8 +24,10 @@ products of bf16 experts on CPUs without bf16 matrix units, where torch would ei
 slow native bf16 GEMM or upcast the whole weight block first: the kernel reads the bf16
 weights as they are (half the bytes) and widens them in registers. bf16 forward, interleaved
 A/B in one process against torch's paths, T = 16 / 256: fine-grained 24.2 → 19.9 / 105 → 92
-ms, Mixtral 42.9 → 18.5 / 158 → 146 ms; forward+backward T = 16: 155 → 141, 196 → 170 ms. Everything else —
-weight gradients (written at memory speed already, see grouped.py), other dtypes, CUDA, CPUs
+ms, Mixtral 42.9 → 18.5 / 158 → 146 ms; forward+backward T = 16: 155 → 141, 196 → 170 ms. And float32 weight gradients aᵀ·b from
+1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's gradient memory
+and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's overwrite clears its
+output in a pass of its own first). Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
 MOE_FFN_SMALL_GEMM=0 — runs on torch's kernels as before. Numerics: float32 products summed
 in another order than torch's kernels, i.e. the same rounding class (tests compare both
@@ -51,6 +53,7 @@ from torch import Tensor
 
 MAX_ROWS = 64
 INPUT_GRAD_ROWS = (2, 64)
+WEIGHT_GRAD_MAX_ROWS = 128
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
 
@@ -74,6 +77,7 @@ def library() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         input_grad = lib.moe_ffn_input_grad_f32
+        weight_grad = lib.moe_ffn_weight_grad_f32
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -82,6 +86,8 @@ def library() -> Optional[ctypes.CDLL]:
         linear.restype = ctypes.c_int
     input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
     input_grad.restype = ctypes.c_int
+    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int] + team
+    weight_grad.restype = ctypes.c_int
     return lib
 
 
@@ -190,3 +196,35 @@ def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
         rows, O, I, torch.get_num_threads(), *openmp,
     )
     return y if status == 0 else None
+
+
+def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = False) -> bool:
+    """out = a_t·b (out += a_t·b with `accumulate`) for a_t = a.t() (a [k, m] with contiguous
+    rows: an output gradient's block of k rows) and b [k, n] (the input's rows) by the kernel,
+    for 1–`WEIGHT_GRAD_MAX_ROWS` rows; returns whether it ran (when False, `out` is
+    untouched). `out`'s old contents are not read unless accumulating."""
+    a = a_t.t()
+    k = a.shape[0]
+    if not (
+        0 < k <= WEIGHT_GRAD_MAX_ROWS
+        and a.dtype == b.dtype == out.dtype == torch.float32
+        and _rows_contiguous(a)
+        and _rows_contiguous(b)
+        and _writable_rows(out)
+        and not torch.compiler.is_compiling()
+    ):
+        return False
+    kernel = _kernel()
+    if kernel is None:
+        return False
+    lib, openmp = kernel
+    m, n = a.shape[1], b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(
+            f"weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
+        )
+    status = lib.moe_ffn_weight_grad_f32(
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0),
+        k, m, n, int(accumulate), torch.get_num_threads(), *openmp,
+    )
+    return status == 0

@@ -277,26 +277,31 @@ _ACCUMULATE_ELEMENTS = 1 << 21
 # to memory; one row is left to sgemm, whose single pass into fresh memory was steadier.
 _OUTER_INNER = (2, 4)
 _OUTER_MAX_ELEMENTS = 1 << 21
-# Weight gradients stay on torch's kernels. Tried on 2026-12-01 and not kept: our own AVX2 kernel
-# for c = aᵀ·b (6×16 register tiles, a and b packed, each element of c stored once). It was
-# faster into memory already written: 8 or 64 experts in turn, 7 interleaved rounds, medians,
-# 1.08–1.45× the faster of sgemm's overwrite and accumulate at 32–64 rows. In the layer,
-# though, the gradient is fresh memory, and there it won nothing. Times of the weight-gradient
-# products within a forward+backward step, interleaved A/B, kernel against torch: Mixtral
-# T=256 193–198 against 203 ms in one run, 158 against 156 in another; fine-grained T=256 141
-# against 122. With c's rows split between the two threads (both cores touching fresh pages at
-# once), a whole Mixtral T=1 step took 101 ms against torch's 44 (one thread: 57).
+# Weight gradients written over an old one (memory kept from the last step, `_memory`) with
+# outputs past _ACCUMULATE_ELEMENTS go to our own kernel (_small_gemm.weight_grad_into), which
+# stores each element once where MKL's overwrite path first clears its output. Mixtral fp32
+# forward+backward at T = 256, interleaved A/B, 11 rounds: 436 → 409 ms; T = 16 level. Into
+# fresh memory the kernel won nothing (weight-gradient time within a step: Mixtral T=256
+# 193–198 against torch's 203 ms, fine-grained 141 against 122), and smaller outputs, which
+# stay in cache, are as fast on sgemm.
 
 
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) -> None:
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, overwrite: bool = False) -> None:
     """out = a·b with a, b in the compute dtype, rounded into out's dtype once; `out` holds
-    zeros (a fresh gradient buffer), or with `accumulate` (same dtype only) a partial sum to
-    add a·b to.
+    zeros (a fresh gradient buffer), or with `overwrite` an old gradient to write over, or with
+    `accumulate` (same dtype only) a partial sum to add a·b to.
 
     A low-precision `out` takes the fp32 product in slices of rows, so the fp32 temporary
     stays small next to `out` (this is how weight gradients of bf16 experts are written).
     """
     if a.dtype == out.dtype:
+        if (
+            overwrite
+            and not accumulate
+            and out.numel() > _ACCUMULATE_ELEMENTS
+            and _small_gemm.weight_grad_into(out, a, b)
+        ):
+            return
         if (
             _OUTER_INNER[0] <= a.shape[1] <= _OUTER_INNER[1]
             and out.numel() <= _OUTER_MAX_ELEMENTS
@@ -305,7 +310,8 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False) ->
         ):
             _outer_products_into(out, a, b, accumulate)
             return
-        add = accumulate or out.numel() > _ACCUMULATE_ELEMENTS  # (out is zero otherwise)
+        # a large output is added onto its zeros, unless it holds an old gradient to overwrite
+        add = accumulate or (out.numel() > _ACCUMULATE_ELEMENTS and not overwrite)
         if a.shape[1] <= _SLICED_MM_MAX_INNER and out.numel() > _SLICED_MM_ELEMENTS:
             # few rows behind a weight gradient (decode-sized blocks): MKL writes a large
             # output of a thin product 1.5× faster in ~1M-element row slices (7168×1024 from
@@ -792,12 +798,14 @@ def _ffn_backward(
     need_weight = need_weight and routed
     grad_weight_N = weight_N.new_zeros(N if need_weight else 0) if routed else x.new_empty(0)
     shape_w = (lambda *s: s) if need_w else (lambda *s: (0,) * len(s))
-    # The weight gradients are the largest fresh buffers of a step. Experts without rows get
-    # exact zeros; `_memory.zeros` gives them without writing (or faulting in) their pages.
+    # The weight gradients are the largest buffers of a step: on the memory of the weight's
+    # last gradient where that is free, else fresh (`_memory.gradient_memory`). Experts without
+    # rows get exact zeros, on fresh memory without writing (or faulting in) their pages.
+    # stale: the experts with rows hold the last gradient, which their first product overwrites.
     if need_w:
-        mostly_written = 2 * len(blocks) >= E
-        grad_w1 = _memory.gradient_zeros(w1_EHD, x, mostly_written)
-        grad_w2 = _memory.gradient_zeros(w2_EDF, x, mostly_written)
+        experts = sorted({e for e, _, _ in blocks})
+        grad_w1, stale1 = _memory.gradient_memory(w1_EHD, x, experts)
+        grad_w2, stale2 = _memory.gradient_memory(w2_EDF, x, experts)
     else:
         grad_w1, grad_w2 = x.new_empty(0, 0, 0), x.new_empty(0, 0, 0)
     grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
@@ -829,7 +837,7 @@ def _ffn_backward(
             for e, start, stop in group:
                 rows = slice(start - first, stop - first)
                 again = e in written
-                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=again)
+                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=again, overwrite=stale2)
                 if with_bias:
                     grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if again else 0)
         del a_gF, g_gD
@@ -849,7 +857,7 @@ def _ffn_backward(
             dh_nH = dh_gH[rows]
             if need_w:
                 again = e in written
-                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=again)
+                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=again, overwrite=stale1)
                 if with_bias:
                     grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if again else 0)
                 written.add(e)

@@ -138,36 +138,41 @@ def keep(monkeypatch):
 
 
 @needs_linux
-@pytest.mark.parametrize("mostly_written", [True, False])
-def test_gradient_memory_is_reused_only_once_no_tensor_holds_it(keep, mostly_written):
+def test_gradient_memory_is_reused_only_once_no_tensor_holds_it(keep):
     weight = torch.empty(4, 512, 1024)  # 8 MiB: the mapped path
     like = torch.empty(0)
-    first = _memory.gradient_zeros(weight, like, mostly_written)
-    assert first.shape == weight.shape and first.dtype == torch.float32 and (first == 0).all()
+    first, stale = _memory.gradient_memory(weight, like, [0, 1, 2])
+    assert first.shape == weight.shape and first.dtype == torch.float32 and (first == 0).all() and not stale
     first.fill_(3.0)
     view = first[2, :4, :4]
     del first
-    second = _memory.gradient_zeros(weight, like, mostly_written)  # the view still holds the first
-    assert (view == 3.0).all() and (second == 0).all()
-    assert not (view.data_ptr() <= second.data_ptr() < view.data_ptr() + weight.numel() * 4)
+    second, stale = _memory.gradient_memory(weight, like, [0, 1, 2])  # the view still holds the first
+    assert (view == 3.0).all() and (second == 0).all() and not stale
+    assert not (view.data_ptr() - weight.numel() * 4 < second.data_ptr() < view.data_ptr() + weight.numel() * 4)
     address = second.data_ptr()
     second.fill_(5.0)
     del second
-    third = _memory.gradient_zeros(weight, like, mostly_written)  # the second is gone: its memory
-    assert third.data_ptr() == address and (third == 0).all()
-    assert (view == 3.0).all()
+    # the second is gone: its memory again, the written experts' slices stale, the idle one zero
+    third, stale = _memory.gradient_memory(weight, like, [0, 1, 2])
+    assert third.data_ptr() == address and stale
+    assert (third[:3] == 5.0).all() and (third[3] == 0).all() and (view == 3.0).all()
+    third.fill_(7.0)
+    del third
+    # one expert of four written: the pages are given back, everything reads as zeros
+    fourth, stale = _memory.gradient_memory(weight, like, [1])
+    assert fourth.data_ptr() == address and not stale and (fourth == 0).all()
 
 
 @needs_linux
 def test_gradient_memory_goes_with_the_weight_and_on_release(keep):
     weight = torch.empty(4, 512, 1024)
-    grad = _memory.gradient_zeros(weight, torch.empty(0), True)
+    grad, _ = _memory.gradient_memory(weight, torch.empty(0), [0, 1, 2, 3])
     assert len(_memory._kept) == 1
     del weight
     assert len(_memory._kept) == 0
     weight = torch.empty(4, 512, 1024)
     del grad
-    _memory.gradient_zeros(weight, torch.empty(0), True)
+    _memory.gradient_memory(weight, torch.empty(0), [0, 1, 2, 3])
     _memory.release_gradient_memory()
     assert len(_memory._kept) == 0
 
@@ -175,25 +180,28 @@ def test_gradient_memory_goes_with_the_weight_and_on_release(keep):
 def test_gradient_memory_switched_off_gives_fresh_zeros(monkeypatch):
     monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: False)
     weight = torch.empty(4, 512, 1024)
-    a = _memory.gradient_zeros(weight, torch.empty(0), True)
-    address = a.data_ptr()
+    a, stale = _memory.gradient_memory(weight, torch.empty(0), [0, 1, 2, 3])
     a.fill_(1.0)
     del a
-    b = _memory.gradient_zeros(weight, torch.empty(0), True)
-    assert (b == 0).all() and len(_memory._kept) == 0
-    del b, address
+    b, stale = _memory.gradient_memory(weight, torch.empty(0), [0, 1, 2, 3])
+    assert (b == 0).all() and not stale and len(_memory._kept) == 0
 
 
 @needs_linux
-@pytest.mark.parametrize("tokens", [(64, 1), (1, 64)], ids=["all-then-one", "one-then-all"])
-def test_steps_on_kept_gradient_memory_match_the_reference_loop(keep, tokens):
+@pytest.mark.parametrize("tokens", [(64, 1), (1, 64), (64, 64)], ids=["all-then-one", "one-then-all", "all-then-all"])
+@pytest.mark.parametrize("large", [False, True], ids=["cache-sized", "as-if-large"])
+def test_steps_on_kept_gradient_memory_match_the_reference_loop(keep, tokens, large, monkeypatch):
     """Two training steps, `.grad` dropped in between as `zero_grad()` does: each step's
     weight gradients equal the float64 per-token loop's, the second step's are made on the
     first step's memory, and experts idle in a step have exact zero gradients whatever the
-    memory held (64 tokens reach most of the 32 experts, 1 token one of them)."""
-    from moe_ffn import MoE
+    memory held (64 tokens reach most of the 32 experts, 1 token one of them). as-if-large:
+    every gradient is treated as one that outgrows the cache (grouped._ACCUMULATE_ELEMENTS),
+    which is written onto zeros when fresh and over the old gradient when kept."""
+    from moe_ffn import MoE, grouped
     from reference import moe_forward
 
+    if large:
+        monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
     torch.manual_seed(0)
     moe = MoE(dim=256, hidden_dim=128, num_experts=32, top_k=1).double()
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj

@@ -139,6 +139,46 @@ def test_input_grad_matches_float64(rows, shape):
     assert ((y.double() - ref).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (97, 40), (130, 200), (300, 1000)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_grad_matches_float64(rows, shape, accumulate):
+    """c = aᵀ·b (+ c) over tiles of 6 rows by 16 columns, the last ones partial; c a slice of
+    a wider tensor whose other columns stay untouched; without `accumulate` c's old contents
+    (NaN here) are never read."""
+    _needs_kernel()
+    M, N = shape
+    a, b = _strided(rows, M), _strided(rows, N)
+    wide = torch.full((M, N + 6), float("nan"))
+    out = wide[:, 3 : N + 3]
+    old = torch.randn(M, N)
+    if accumulate:
+        out.copy_(old)
+    assert _small_gemm.weight_grad_into(out, a.t(), b, accumulate)
+    ref = a.double().t() @ b.double() + (old.double() if accumulate else 0)
+    bound = _bound(a.double().abs().t(), b.double().abs(), rows + 1) + (4 * U * old.double().abs() if accumulate else 0)
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert wide[:, :3].isnan().all() and wide[:, N + 3 :].isnan().all()
+
+
+def test_weight_grad_declines_what_it_does_not_take_and_leaves_out_untouched():
+    a, b, out = torch.randn(4, 16), torch.randn(4, 8), torch.full((16, 8), 7.0)
+    too_many = _small_gemm.WEIGHT_GRAD_MAX_ROWS + 1
+    cases = [
+        (a.double().t(), b.double(), out.double()),
+        (a.t(), b.bfloat16(), out),
+        (torch.randn(too_many, 16).t(), torch.randn(too_many, 8), out),
+        (torch.randn(16, 4), b, out),  # aᵀ a plain [16, 4]: a's rows not contiguous
+        (a.t()[:, :0], b[:0], out),
+    ]
+    for a_t, b_, out_ in cases:
+        assert not _small_gemm.weight_grad_into(out_, a_t, b_)
+        assert (out_ == 7).all()
+    _needs_kernel()
+    with pytest.raises(ValueError, match=r"a_t \(16, 4\), b \(4, 8\) and out \(16, 9\)"):
+        _small_gemm.weight_grad_into(torch.empty(16, 9), a.t(), b)
+
+
 def test_results_do_not_depend_on_the_number_of_threads():
     """Each output element is one thread's sum in one fixed order: bitwise the same on 1 and
     2 threads (the threads split the outputs, not the sums)."""
@@ -151,10 +191,12 @@ def test_results_do_not_depend_on_the_number_of_threads():
             torch.set_num_threads(n)
             y = torch.empty(13, 500)
             assert _small_gemm.linear_into(y, x, w, None)
-            results.append((y, _small_gemm.input_grad(g, w.t())))
+            c = torch.empty(300, 500)
+            assert _small_gemm.weight_grad_into(c, x[:9].t(), g)
+            results.append((y, _small_gemm.input_grad(g, w.t()), c))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(one, two) for one, two in zip(*results))
 
 
 @pytest.mark.parametrize(
@@ -198,10 +240,11 @@ def test_environment_switch_turns_the_kernel_off():
 
 # --- the layer, float32, with and without the kernel, against the float64 loop ---------------
 
-def _layer_against_float64(T: int):
-    torch.manual_seed(3)
+def _layer_against_float64(T: int, moe: MoE | None = None, seed: int = 3):
+    torch.manual_seed(seed)
     D, F, E, K = 40, 24, 4, 2
-    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)  # float32
+    if moe is None:
+        moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)  # float32
     x = torch.randn(T, D, requires_grad=True)
     g = torch.randn(T, D)
     y = moe(x)
@@ -257,3 +300,26 @@ def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
     params = [p.detach().double() for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref = moe_forward(x.double(), *params, K)
     assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
+
+
+def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64(monkeypatch):
+    """Second and third steps on the first step's weight-gradient memory (moe_ffn._memory),
+    which grouped.py overwrites with the kernel where the output is large: here every
+    output counts as large and every buffer is kept, so the layer's small experts take that
+    path; each step against the float64 loop."""
+    _needs_kernel()
+    from moe_ffn import _memory, grouped
+
+    monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: True)
+    monkeypatch.setattr(_memory, "_MIN_BYTES", 0)
+    monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
+    ran = []
+    weight_grad_into = _small_gemm.weight_grad_into
+    monkeypatch.setattr(_small_gemm, "weight_grad_into", lambda *a, **k: ran.append(weight_grad_into(*a, **k)) or ran[-1])
+    moe = MoE(dim=40, hidden_dim=24, num_experts=4, top_k=2)
+    try:
+        for step in range(3):  # other tokens each step: stale gradients would not pass
+            _layer_against_float64(12, moe, seed=step)
+    finally:
+        _memory.release_gradient_memory()
+    assert ran.count(True) >= 2 * 2 * 3  # both projections of (almost) every expert, steps 2 and 3
