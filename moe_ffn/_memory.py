@@ -1,4 +1,5 @@
-"""Large fresh CPU buffers: on transparent huge pages, and zero-filled without writing zeros.
+"""Large CPU buffers: fresh ones on transparent huge pages and zero-filled without writing
+zeros, and a weight's gradient memory kept for its next gradient.
 
 Why: a forward+backward step allocates the experts' weight gradients anew (E·3·D·F elements,
 352 MiB for a Mixtral layer in fp32) whenever the optimizer sets `.grad` to None, and glibc
@@ -24,6 +25,10 @@ available (not Linux, no libc, THP disabled) the buffer is a plain `torch.empty`
 `THP_MEM_ALLOC_ENABLE=1` makes torch's own allocator do this for every large allocation; this
 module does it for the few buffers that need it without asking users to set a process-wide
 switch.
+
+Fresh pages still cost the kernel's zeroing on first touch; `gradient_memory` spares the weight
+gradients that cost from the second step on by reusing their last step's memory (see the
+section below).
 """
 
 from __future__ import annotations
