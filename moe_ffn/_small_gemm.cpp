@@ -352,7 +352,14 @@ struct WeightGrad {
 constexpr int64_t kWgTileRows = 6;   // rows of c per register tile
 constexpr int64_t kWgPanel = 16;     // columns of c per register tile (two vectors)
 constexpr int64_t kWgBlockRows = 48; // rows of c whose slice of a is packed at a time
-constexpr int64_t kWgDepth = 256;     // rows of a and b per pass (deeper products add passes)
+constexpr int64_t kWgDepth = 256;    // rows of a and b per pass (deeper products add passes)
+
+// One step of one row of a tile: c0 += a·b0, c1 += a·b1 (16 columns).
+inline __attribute__((always_inline)) void wgrad_row(const float* a, __m256 b0, __m256 b1, __m256& c0, __m256& c1) {
+  const __m256 a_i = _mm256_broadcast_ss(a);
+  c0 = _mm256_fmadd_ps(a_i, b0, c0);
+  c1 = _mm256_fmadd_ps(a_i, b1, c1);
+}
 
 // ROWS (≤ 6) rows of c by 16 columns, summed over `depth` steps: a_pack holds the steps' 6
 // values of a one after another (6 floats a step), b_pack the 16 values of b (16 a step).
@@ -366,34 +373,12 @@ void wgrad_tile(const float* a_pack, const float* b_pack, int64_t depth, float* 
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   for (int64_t s = 0; s < depth; ++s, a_pack += kWgTileRows, b_pack += kWgPanel) {
     const __m256 b0 = _mm256_loadu_ps(b_pack), b1 = _mm256_loadu_ps(b_pack + 8);
-    __m256 a_i = _mm256_broadcast_ss(a_pack);
-    c00 = _mm256_fmadd_ps(a_i, b0, c00);
-    c01 = _mm256_fmadd_ps(a_i, b1, c01);
-    if constexpr (ROWS > 1) {
-      a_i = _mm256_broadcast_ss(a_pack + 1);
-      c10 = _mm256_fmadd_ps(a_i, b0, c10);
-      c11 = _mm256_fmadd_ps(a_i, b1, c11);
-    }
-    if constexpr (ROWS > 2) {
-      a_i = _mm256_broadcast_ss(a_pack + 2);
-      c20 = _mm256_fmadd_ps(a_i, b0, c20);
-      c21 = _mm256_fmadd_ps(a_i, b1, c21);
-    }
-    if constexpr (ROWS > 3) {
-      a_i = _mm256_broadcast_ss(a_pack + 3);
-      c30 = _mm256_fmadd_ps(a_i, b0, c30);
-      c31 = _mm256_fmadd_ps(a_i, b1, c31);
-    }
-    if constexpr (ROWS > 4) {
-      a_i = _mm256_broadcast_ss(a_pack + 4);
-      c40 = _mm256_fmadd_ps(a_i, b0, c40);
-      c41 = _mm256_fmadd_ps(a_i, b1, c41);
-    }
-    if constexpr (ROWS > 5) {
-      a_i = _mm256_broadcast_ss(a_pack + 5);
-      c50 = _mm256_fmadd_ps(a_i, b0, c50);
-      c51 = _mm256_fmadd_ps(a_i, b1, c51);
-    }
+    wgrad_row(a_pack, b0, b1, c00, c01);
+    if constexpr (ROWS > 1) wgrad_row(a_pack + 1, b0, b1, c10, c11);
+    if constexpr (ROWS > 2) wgrad_row(a_pack + 2, b0, b1, c20, c21);
+    if constexpr (ROWS > 3) wgrad_row(a_pack + 3, b0, b1, c30, c31);
+    if constexpr (ROWS > 4) wgrad_row(a_pack + 4, b0, b1, c40, c41);
+    if constexpr (ROWS > 5) wgrad_row(a_pack + 5, b0, b1, c50, c51);
   }
   const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   for (int i = 0; i < ROWS; ++i) {
@@ -568,7 +553,9 @@ extern "C" int moe_ffn_weight_grad_f32(const float* a, int64_t lda, const float*
     float* a_pack = b_pack + depth * most * kWgPanel;
     for (int64_t s0 = 0; s0 < k; s0 += kWgDepth) {
       const int64_t d = std::min(kWgDepth, k - s0);
-      if (q0 < q1) wgrad_range(p, q0, q1, s0, d, accumulate || s0 > 0, b_pack, a_pack);
+      // (a smaller team than asked for gives a thread more panels than its buffer holds)
+      for (int64_t q = q0; q < q1; q += most)
+        wgrad_range(p, q, std::min(q + most, q1), s0, d, accumulate || s0 > 0, b_pack, a_pack);
     }
   });
   return 0;

@@ -803,7 +803,7 @@ def _ffn_backward(
     # rows get exact zeros, on fresh memory without writing (or faulting in) their pages.
     # stale: the experts with rows hold the last gradient, which their first product overwrites.
     if need_w:
-        experts = sorted({e for e, _, _ in blocks})
+        experts = [e for e, _, _ in blocks]  # (one block per expert with rows)
         grad_w1, stale1 = _memory.gradient_memory(w1_EHD, x, experts)
         grad_w2, stale2 = _memory.gradient_memory(w2_EDF, x, experts)
     else:
