@@ -242,3 +242,14 @@ def test_accumulating_over_micro_batches_on_kept_gradient_memory(keep):
     for x in xs:
         moe(x).sum().backward()
     torch.testing.assert_close(moe.experts.gate_up_proj.grad, sum(expected), atol=1e-10, rtol=0)
+
+
+def test_environment_switch_turns_kept_gradient_memory_off():
+    import os
+    import subprocess
+
+    code = "from moe_ffn import _memory; print(_memory._keep_gradient_memory())"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, MOE_FFN_KEEP_GRADIENT_MEMORY=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
