@@ -98,17 +98,23 @@ def zeros(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor
     """
     dtype = like.dtype if dtype is None else dtype
     nbytes = math.prod(shape) * dtype.itemsize
-    if (
-        like.device.type != "cpu"
-        or nbytes < _MIN_BYTES
-        or not sys.platform.startswith("linux")
-        or torch.compiler.is_compiling()
-    ):
+    if not _mappable(like, nbytes):
         return like.new_zeros(shape, dtype=dtype)
     buffer = _map(nbytes)
     if buffer is None:
         return like.new_zeros(shape, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # keeps `buffer` alive
+
+
+def _mappable(like: Tensor, nbytes: int) -> bool:
+    """Whether a buffer of nbytes for like's device is made as a mapping of our own: large,
+    on CPU, on Linux, and not while torch.compile traces."""
+    return (
+        like.device.type == "cpu"
+        and nbytes >= _MIN_BYTES
+        and sys.platform.startswith("linux")
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _map(nbytes: int) -> mmap.mmap | None:
@@ -175,13 +181,7 @@ def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[T
     """
     shape, dtype = tuple(weight.shape), like.dtype
     nbytes = math.prod(shape) * dtype.itemsize
-    if (
-        not _keep_gradient_memory()
-        or like.device.type != "cpu"
-        or nbytes < _MIN_BYTES
-        or not sys.platform.startswith("linux")
-        or torch.compiler.is_compiling()
-    ):
+    if not (_keep_gradient_memory() and _mappable(like, nbytes)):
         return zeros(like, *shape, dtype=dtype), False
     with _kept_lock:
         buffer = _kept.get(weight)
