@@ -1,30 +1,35 @@
-// The products of one expert's small block of rows on x86 CPUs with AVX2 and FMA, float32:
+// The products of one expert's block of rows on x86 CPUs with AVX2 and FMA, float32:
 //
 //     forward         y[r, o] = sum_i x[r, i] * w[o, i] (+ b[o])    (x·wᵀ)
 //     input gradient  y[r, i] = sum_o g[r, o] * w[o, i]             (g·w)
 //     weight gradient c[m, n] = sum_r a[r, m] * b[r, n]             (aᵀ·b)
 //
-// for a few rows r (the block) and an expert's weight w [O, I] with contiguous rows; the
-// forward also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16). Built at
-// install time as an optional extension (pyproject.toml) and called through ctypes by
-// moe_ffn/_small_gemm.py, which says when it is used and why (measured numbers there). No
-// Python or torch API here: plain pointers and strides in, the result written to y.
+// for the rows r of a block and an expert's weight w [O, I] with contiguous rows; the forward
+// also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16); and SwiGLU's
+// elementwise work around them. Built at install time as an optional extension
+// (pyproject.toml) and called through ctypes by moe_ffn/_small_gemm.py, which says when each
+// part is used and why (measured numbers there). No Python or torch API here: plain pointers
+// and strides in, the results written where the caller says.
 //
-// forward: dot products along the contiguous I dim of x and w, in register tiles of up to 4
-// rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile reuses its 3 rows of w from
-// L1 for every 4 rows of x, so w is streamed from memory once per call and never packed. The
-// threads split the rows of w.
+// forward, a few rows (up to 64): dot products along the contiguous I dim of x and w, in
+// register tiles of up to 4 rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile
+// reuses its 3 rows of w from L1 for every 4 rows of x, so w is streamed from memory once per
+// call and never packed. The threads split the rows of w.
 //
-// input gradient: sums of rows of w scaled by g, in register tiles of up to 4 rows of g by 24
-// columns of w. w is walked in chunks of consecutive rows, and every row tile of g passes over
-// a chunk's 24-column panel, adding into y, which stays in L2. From 24 rows of g the chunk is
-// first packed (read row after row) so that a panel's rows are adjacent (see grad_range). The
-// threads split the columns of w.
+// input gradient, a few rows (up to 64): sums of rows of w scaled by g, in register tiles of
+// up to 4 rows of g by 24 columns of w. w is walked in chunks of consecutive rows, and every
+// row tile of g passes over a chunk's 24-column panel, adding into y, which stays in L2. From
+// 24 rows of g the chunk is first packed (read row after row) so that a panel's rows are
+// adjacent (see grad_range). The threads split the columns of w.
 //
-// weight gradient: for a few rows r (an expert's block) and a large c (the expert's weight
-// gradient), in register tiles of 6 rows by 16 columns of c; b's rows are packed into 16-column
-// panels and a's into 6-row tiles, and each element of c is stored once (no clearing pass). The
-// threads split the columns of c.
+// packed product (weight gradients; forward and input gradient past 64 rows): c = A·B in
+// register tiles of 6 rows by 16 columns of c; B is packed into 16-column panels (transposed
+// 8 by 8 where its columns are w's rows) and A into 6-row tiles, sums run in passes of 256
+// steps, and each element of c is stored once a pass (no clearing pass). The threads split
+// the columns of c. See Product.
+//
+// SwiGLU: a = silu(gate)·up, and its gradient with the routing weight's, in one pass over
+// the rows each (see Swiglu).
 //
 // Threads: the caller passes the entry points of the OpenMP runtime torch runs its own
 // parallel loops on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of the libgomp
@@ -337,118 +342,319 @@ void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t
   }
 }
 
-// ---- weight gradient: c = aᵀ·b --------------------------------------------------------------
+// ---- packed products: c = A·B in 6×16 register tiles -----------------------------------------
 
-struct WeightGrad {
-  const float* a;  // [k, m], rows lda apart (the output gradient's rows of the block)
-  int64_t lda;
-  const float* b;  // [k, n], rows ldb apart (the layer input's rows)
-  int64_t ldb;
-  float* c;        // [m, n], rows ldc apart
+// c[i, j] (+)= sum_s A(s, i) · B(s, j) (+ bias[j]), for c [m, n] with rows ldc apart, where
+// A(s, i) = a[s · a_step + i · a_row] and B(s, j) = b[s · b_step + j · b_col], each with one
+// unit stride: a weight gradient reads A from the output gradient's rows [k, m] (a_row 1) and
+// B from the input's rows [k, n] (b_col 1); the forward reads A from x [m, k] (a_step 1) and B
+// from w [n, k] (b_step 1); the input gradient A from g [m, k] and B from w [k, n].
+struct Product {
+  const float* a;
+  int64_t a_step, a_row;
+  const float* b;
+  int64_t b_step, b_col;
+  const float* bias;  // [n], added once where c is written (not accumulated); or null
+  float* c;
   int64_t ldc;
   int64_t k, m, n;
 };
 
-constexpr int64_t kWgTileRows = 6;   // rows of c per register tile
-constexpr int64_t kWgPanel = 16;     // columns of c per register tile (two vectors)
-constexpr int64_t kWgBlockRows = 48; // rows of c whose slice of a is packed at a time
-constexpr int64_t kWgDepth = 256;    // rows of a and b per pass (deeper products add passes)
+constexpr int64_t kTileRows = 6;    // rows of c per register tile
+constexpr int64_t kPanel = 16;      // columns of c per register tile (two vectors)
+constexpr int64_t kDepth = 256;     // steps s per pass (longer sums add passes over c)
+constexpr int64_t kBlockRows = 48;  // rows of c whose slice of A is packed at a time with B packed once,
+constexpr int64_t kOneBlock = 192;  // else this many (all of c's rows up to this many: one block)
+constexpr int64_t kPackOnce = 1 << 17;  // B packed once per pass where a thread's part fits (floats)
 
 // One step of one row of a tile: c0 += a·b0, c1 += a·b1 (16 columns).
-inline __attribute__((always_inline)) void wgrad_row(const float* a, __m256 b0, __m256 b1, __m256& c0, __m256& c1) {
+inline __attribute__((always_inline)) void tile_row(const float* a, __m256 b0, __m256 b1, __m256& c0, __m256& c1) {
   const __m256 a_i = _mm256_broadcast_ss(a);
   c0 = _mm256_fmadd_ps(a_i, b0, c0);
   c1 = _mm256_fmadd_ps(a_i, b1, c1);
 }
 
 // ROWS (≤ 6) rows of c by 16 columns, summed over `depth` steps: a_pack holds the steps' 6
-// values of a one after another (6 floats a step), b_pack the 16 values of b (16 a step).
+// values of A one after another (6 floats a step), b_pack the 16 values of B (16 a step).
 // The accumulators are named variables (see grad_tile for why). Stored into c, added to it
-// when `add`; the last COLS < 16 columns masked by `mask0`/`mask1` when `partial`.
+// when `add`, plus bias (16 values, or null); the last columns masked by `mask0`/`mask1` when
+// `partial`.
 template <int ROWS>
-void wgrad_tile(const float* a_pack, const float* b_pack, int64_t depth, float* c, int64_t ldc, bool add,
-                bool partial, __m256i mask0, __m256i mask1) {
+void product_tile(const float* a_pack, const float* b_pack, int64_t depth, float* c, int64_t ldc, bool add,
+                  const float* bias, bool partial, __m256i mask0, __m256i mask1) {
   static_assert(1 <= ROWS && ROWS <= 6, "tile");
   const __m256 z = _mm256_setzero_ps();
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
-  for (int64_t s = 0; s < depth; ++s, a_pack += kWgTileRows, b_pack += kWgPanel) {
+  for (int64_t s = 0; s < depth; ++s, a_pack += kTileRows, b_pack += kPanel) {
     const __m256 b0 = _mm256_loadu_ps(b_pack), b1 = _mm256_loadu_ps(b_pack + 8);
-    wgrad_row(a_pack, b0, b1, c00, c01);
-    if constexpr (ROWS > 1) wgrad_row(a_pack + 1, b0, b1, c10, c11);
-    if constexpr (ROWS > 2) wgrad_row(a_pack + 2, b0, b1, c20, c21);
-    if constexpr (ROWS > 3) wgrad_row(a_pack + 3, b0, b1, c30, c31);
-    if constexpr (ROWS > 4) wgrad_row(a_pack + 4, b0, b1, c40, c41);
-    if constexpr (ROWS > 5) wgrad_row(a_pack + 5, b0, b1, c50, c51);
+    tile_row(a_pack, b0, b1, c00, c01);
+    if constexpr (ROWS > 1) tile_row(a_pack + 1, b0, b1, c10, c11);
+    if constexpr (ROWS > 2) tile_row(a_pack + 2, b0, b1, c20, c21);
+    if constexpr (ROWS > 3) tile_row(a_pack + 3, b0, b1, c30, c31);
+    if constexpr (ROWS > 4) tile_row(a_pack + 4, b0, b1, c40, c41);
+    if constexpr (ROWS > 5) tile_row(a_pack + 5, b0, b1, c50, c51);
   }
   const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  __m256 shift[2] = {z, z};
+  if (bias)
+    for (int v = 0; v < 2; ++v)
+      shift[v] = partial ? _mm256_maskload_ps(bias + 8 * v, v == 0 ? mask0 : mask1) : _mm256_loadu_ps(bias + 8 * v);
   for (int i = 0; i < ROWS; ++i) {
     float* row = c + i * ldc;
     for (int v = 0; v < 2; ++v) {
       float* at = row + 8 * v;
       const __m256i mask = v == 0 ? mask0 : mask1;
+      __m256 sum = bias ? _mm256_add_ps(acc[i][v], shift[v]) : acc[i][v];
       if (partial) {
-        const __m256 sum = add ? _mm256_add_ps(acc[i][v], _mm256_maskload_ps(at, mask)) : acc[i][v];
+        if (add) sum = _mm256_add_ps(sum, _mm256_maskload_ps(at, mask));
         _mm256_maskstore_ps(at, mask, sum);
       } else {
-        _mm256_storeu_ps(at, add ? _mm256_add_ps(acc[i][v], _mm256_loadu_ps(at)) : acc[i][v]);
+        _mm256_storeu_ps(at, add ? _mm256_add_ps(sum, _mm256_loadu_ps(at)) : sum);
       }
     }
   }
 }
 
-// Panels [q0, q1) of c (16 columns each) over steps [s0, s0 + depth) of a and b, every row of
-// c. b's steps are packed first into the panels (zeros past n), a panel's steps adjacent; then
-// a block of c's rows at a time, a's slice for the block is packed into tiles of 6 (zeros past
-// the block), and each panel of b passes under the block's tiles from L1. Read in place, a's
-// and b's rows lie a row length apart, a power of two for these shapes, which puts a panel's
-// rows in one L1 set.
-void wgrad_range(const WeightGrad& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, bool add, float* b_pack,
-                 float* a_pack) {
-  const int64_t full = p.n / kWgPanel;
-  for (int64_t q = q0; q < q1; ++q) {
-    float* dst = b_pack + (q - q0) * depth * kWgPanel;
-    const int64_t col = q * kWgPanel, width = std::min(kWgPanel, p.n - col);
+// The eight rows r[0..7] as eight columns.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Columns [col, col + width) of B (width ≤ 16) over steps [s0, s0 + depth) into a panel: the
+// 16 values of a step adjacent (zeros past width). Read in place, B's rows (or columns) lie a
+// row length apart, a power of two for these shapes, which puts a panel's rows in one L1 set;
+// packed, a panel passes under every tile of A from L1.
+void pack_b(const Product& p, int64_t col, int64_t width, int64_t s0, int64_t depth, float* dst) {
+  if (p.b_col == 1) {  // B's steps are rows: copy 16 values a step
     for (int64_t s = 0; s < depth; ++s) {
-      const float* src = p.b + (s0 + s) * p.ldb + col;
-      if (width == kWgPanel) {
-        _mm256_storeu_ps(dst + s * kWgPanel, _mm256_loadu_ps(src));
-        _mm256_storeu_ps(dst + s * kWgPanel + 8, _mm256_loadu_ps(src + 8));
+      const float* src = p.b + (s0 + s) * p.b_step + col;
+      if (width == kPanel) {
+        _mm256_storeu_ps(dst + s * kPanel, _mm256_loadu_ps(src));
+        _mm256_storeu_ps(dst + s * kPanel + 8, _mm256_loadu_ps(src + 8));
       } else {
-        for (int64_t j = 0; j < kWgPanel; ++j) dst[s * kWgPanel + j] = j < width ? src[j] : 0.0f;
+        for (int64_t j = 0; j < kPanel; ++j) dst[s * kPanel + j] = j < width ? src[j] : 0.0f;
       }
     }
+    return;
   }
-  const int64_t tail = p.n - full * kWgPanel;
+  // B's columns are rows of b (w [n, k]): transposed, 8 steps by 8 columns at a time
+  const int64_t whole = width == kPanel ? depth / 8 * 8 : 0;
+  for (int64_t s = 0; s < whole; s += 8)
+    for (int64_t h = 0; h < kPanel; h += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(p.b + (col + h + j) * p.b_col + s0 + s);
+      transpose8(r);
+      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (s + t) * kPanel + h, r[t]);
+    }
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const float* src = p.b + (col + j) * p.b_col + s0;
+    for (int64_t s = whole; s < depth; ++s) dst[s * kPanel + j] = j < width ? src[s] : 0.0f;
+  }
+}
+
+// Rows [row, row + count) of c (count ≤ 6) of A over steps [s0, s0 + depth) into a tile: the
+// 6 values of a step adjacent (zeros past count).
+void pack_a(const Product& p, int64_t row, int64_t count, int64_t s0, int64_t depth, float* dst) {
+  if (p.a_row == 1) {  // A's steps are rows (an output gradient's rows)
+    for (int64_t s = 0; s < depth; ++s) {
+      const float* src = p.a + (s0 + s) * p.a_step + row;
+      for (int64_t i = 0; i < kTileRows; ++i) dst[s * kTileRows + i] = i < count ? src[i] : 0.0f;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < kTileRows; ++i) {  // A's rows are rows of a (x or g [m, k])
+    const float* src = p.a + (row + i) * p.a_row + s0;
+    for (int64_t s = 0; s < depth; ++s) dst[s * kTileRows + i] = i < count ? src[s] : 0.0f;
+  }
+}
+
+// Panels [q0, q1) of c (16 columns each) over steps [s0, s0 + depth), every row of c, in
+// blocks of `block_rows` rows: a block's slice of A is packed into tiles of 6 rows, and each
+// panel of B passes under the block's tiles. `once`: every panel of B is packed before the
+// first block (into b_pack, depth·16 floats a panel), for c of many rows (a weight gradient);
+// else each panel is packed as the tiles come to it (into depth·16 floats), once per block.
+void product_range(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, bool add, int64_t block_rows,
+                   bool once, float* b_pack, float* a_pack) {
+  const int64_t full = p.n / kPanel, tail = p.n - full * kPanel;
+  auto pack_panel = [&](int64_t q, float* dst) {
+    pack_b(p, q * kPanel, std::min(kPanel, p.n - q * kPanel), s0, depth, dst);
+  };
+  if (once)
+    for (int64_t q = q0; q < q1; ++q) pack_panel(q, b_pack + (q - q0) * depth * kPanel);
   const __m256i mask0 = first_lanes(std::min<int64_t>(tail, 8)), mask1 = first_lanes(std::max<int64_t>(tail - 8, 0));
-  for (int64_t r0 = 0; r0 < p.m; r0 += kWgBlockRows) {
-    const int64_t rows = std::min(kWgBlockRows, p.m - r0);
-    const int64_t tiles = (rows + kWgTileRows - 1) / kWgTileRows;
+  const bool with_bias = p.bias && !add;
+  for (int64_t r0 = 0; r0 < p.m; r0 += block_rows) {
+    const int64_t rows = std::min(block_rows, p.m - r0);
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     for (int64_t t = 0; t < tiles; ++t) {
-      float* dst = a_pack + t * depth * kWgTileRows;
-      const int64_t row = r0 + t * kWgTileRows, count = std::min(kWgTileRows, r0 + rows - row);
-      for (int64_t s = 0; s < depth; ++s) {
-        const float* src = p.a + (s0 + s) * p.lda + row;
-        for (int64_t i = 0; i < kWgTileRows; ++i) dst[s * kWgTileRows + i] = i < count ? src[i] : 0.0f;
-      }
+      const int64_t row = r0 + t * kTileRows;
+      pack_a(p, row, std::min(kTileRows, r0 + rows - row), s0, depth, a_pack + t * depth * kTileRows);
     }
     for (int64_t q = q0; q < q1; ++q) {
-      const float* b_q = b_pack + (q - q0) * depth * kWgPanel;
+      const float* b_q = b_pack + (once ? (q - q0) * depth * kPanel : 0);
+      if (!once) pack_panel(q, b_pack);
       const bool partial = q == full;
+      const float* bias = with_bias ? p.bias + q * kPanel : nullptr;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t row = r0 + t * kWgTileRows, count = std::min(kWgTileRows, r0 + rows - row);
-        const float* a_t = a_pack + t * depth * kWgTileRows;
-        float* c = p.c + row * p.ldc + q * kWgPanel;
+        const int64_t row = r0 + t * kTileRows, count = std::min(kTileRows, r0 + rows - row);
+        const float* a_t = a_pack + t * depth * kTileRows;
+        float* c = p.c + row * p.ldc + q * kPanel;
         switch (count) {
-          case 6: wgrad_tile<6>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
-          case 5: wgrad_tile<5>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
-          case 4: wgrad_tile<4>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
-          case 3: wgrad_tile<3>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
-          case 2: wgrad_tile<2>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
-          default: wgrad_tile<1>(a_t, b_q, depth, c, p.ldc, add, partial, mask0, mask1); break;
+          case 6: product_tile<6>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
+          case 5: product_tile<5>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
+          case 4: product_tile<4>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
+          case 3: product_tile<3>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
+          case 2: product_tile<2>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
+          default: product_tile<1>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
         }
       }
     }
   }
+}
+
+// c = A·B (+ bias), or c += A·B with `accumulate`, on the team; the threads split c's columns.
+int product(const Product& p, bool accumulate, int threads, const Team& team) {
+  if (p.k < 0 || p.m < 0 || p.n < 0 || threads < 1 || (accumulate && p.bias)) return -1;
+  if ((p.a_step != 1 && p.a_row != 1) || (p.b_step != 1 && p.b_col != 1)) return -1;
+  if (p.m == 0 || p.n == 0) return 0;
+  if (p.k == 0) {
+    if (!accumulate)
+      for (int64_t r = 0; r < p.m; ++r)
+        for (int64_t j = 0; j < p.n; ++j) p.c[r * p.ldc + j] = p.bias ? p.bias[j] : 0.0f;
+    return 0;
+  }
+  const int64_t depth = std::min(p.k, kDepth);
+  const int64_t panels = (p.n + kPanel - 1) / kPanel;
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, panels / 4));
+  const int64_t most = (panels + count - 1) / count;  // panels of one thread, at most
+  // B packed once where c has too many rows for one block and the thread's panels fit (a
+  // weight gradient: few steps); else B's panels are packed once per block, of more rows.
+  const bool once = p.m > kOneBlock && depth * most * kPanel <= kPackOnce;
+  const int64_t block_rows = p.m <= kOneBlock ? p.m : once ? kBlockRows : kOneBlock;
+  const int64_t a_floats = depth * (block_rows + kTileRows - 1) / kTileRows * kTileRows;
+  const size_t per_thread = static_cast<size_t>(depth * (once ? most : 1) * kPanel + a_floats);
+  std::vector<float> buffers;
+  try {  // no exception may leave a C entry point
+    buffers.resize(per_thread * static_cast<size_t>(count));
+  } catch (...) {
+    return -1;
+  }
+  on_team(team, count, [&](int64_t t, int64_t parts) {
+    int64_t q0, q1;
+    share(panels, 1, t, parts, &q0, &q1);
+    float* b_pack = buffers.data() + per_thread * t;
+    float* a_pack = b_pack + depth * (once ? most : 1) * kPanel;
+    for (int64_t s0 = 0; s0 < p.k; s0 += kDepth) {
+      const int64_t d = std::min(kDepth, p.k - s0);
+      // (a smaller team than asked for gives a thread more panels than its buffer holds)
+      for (int64_t q = q0; q < q1; q += most)
+        product_range(p, q, std::min(q + most, q1), s0, d, accumulate || s0 > 0, block_rows, once, b_pack, a_pack);
+    }
+  });
+  return 0;
+}
+
+// ---- SwiGLU's elementwise work: a = silu(gate)·up and its gradient ------------------------
+
+// e^x for eight floats, x clamped to [-87.3, 88.3] (the range where e^x and e^-x are normal
+// floats; NaN stays NaN): x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor series to r^7
+// (remainder below 2^-27 of the sum, under half an ulp), times 2^n set in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts: n·ln2_hi is exact for |n| < 2^11 (ln2_hi has 12 significant bits)
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_or_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), nan);  // (NaN lanes: all bits set)
+}
+
+// Loads and stores of the first `n` ≤ 8 lanes (all eight when n is 8, unmasked).
+inline __m256 load_n(const float* at, int64_t n, __m256i mask) {
+  return n == 8 ? _mm256_loadu_ps(at) : _mm256_maskload_ps(at, mask);
+}
+inline void store_n(float* at, __m256 v, int64_t n, __m256i mask) {
+  if (n == 8) _mm256_storeu_ps(at, v);
+  else _mm256_maskstore_ps(at, mask, v);
+}
+
+struct Swiglu {
+  const float* h;  // [rows, 2F]: gate | up, rows ldh apart
+  int64_t ldh;
+  const float* da;  // [rows, F], the gradient of a (backward only)
+  int64_t ldda;
+  const float* weight;  // [rows], scales da (backward; null: 1)
+  float* a;             // [rows, F] out (null: not wanted)
+  int64_t lda;
+  float* dh;  // [rows, 2F] out (backward only)
+  int64_t lddh;
+  float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
+  int64_t features;
+};
+
+// Row r. silu(g) = g / (1 + e^-g), as torch computes it; its derivative
+// s·(1 + g·(1 − s)) with s = 1 / (1 + e^-g), as torch's silu_backward.
+void swiglu_row(const Swiglu& p, int64_t r) {
+  const float* gate = p.h + r * p.ldh;
+  const float* up = gate + p.features;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 w = _mm256_set1_ps(p.weight ? p.weight[r] : 1.0f);
+  __m256 dot = _mm256_setzero_ps();
+  for (int64_t f = 0; f < p.features; f += 8) {
+    const int64_t n = std::min<int64_t>(8, p.features - f);
+    const __m256i mask = first_lanes(n);
+    const __m256 g = load_n(gate + f, n, mask), u = load_n(up + f, n, mask);
+    const __m256 denominator = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    const __m256 act = _mm256_div_ps(g, denominator);
+    const __m256 a = _mm256_mul_ps(act, u);
+    if (p.a) store_n(p.a + r * p.lda + f, a, n, mask);
+    if (!p.dh) continue;
+    const __m256 da = load_n(p.da + r * p.ldda + f, n, mask);  // (zeros past n: dot unaffected)
+    dot = _mm256_fmadd_ps(a, da, dot);
+    const __m256 dav = _mm256_mul_ps(da, w);
+    const __m256 s = _mm256_div_ps(one, denominator);
+    const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
+    store_n(p.dh + r * p.lddh + f, _mm256_mul_ps(_mm256_mul_ps(dav, u), slope), n, mask);
+    store_n(p.dh + r * p.lddh + p.features + f, _mm256_mul_ps(dav, act), n, mask);
+  }
+  if (p.dweight) p.dweight[r] = horizontal_sum(dot);
+}
+
+int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
+  if (rows < 0 || p.features < 0 || threads < 1) return -1;
+  if (rows == 0) return 0;
+  // at least 2^15 elements a thread: below that the team costs more than it saves
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, rows * p.features >> 15));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(rows, 1, t, n, &first, &last);
+    for (int64_t r = first; r < last; ++r) swiglu_row(p, r);
+  });
+  return 0;
 }
 
 }  // namespace
@@ -519,44 +725,35 @@ extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* 
   return 0;
 }
 
-// c = aᵀ·b, or c += aᵀ·b with `accumulate`, for a [k, m], b [k, n], c [m, n] (a weight
-// gradient: a the output gradient's rows, b the input's); row strides lda, ldb, ldc in
-// elements, every last dim contiguous; threads and the runtime's entry points as above. The
-// threads split c's columns. Returns 0, or -1 for arguments it does not take (c untouched).
-extern "C" int moe_ffn_weight_grad_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                                       int64_t ldc, int64_t k, int64_t m, int64_t n, int accumulate, int threads,
-                                       void* parallel, void* thread_num, void* num_threads) {
-  if (k < 0 || m < 0 || n < 0 || threads < 1) return -1;
-  if (m == 0 || n == 0) return 0;
-  if (k == 0) {
-    if (!accumulate)
-      for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
-    return 0;
-  }
-  const WeightGrad p{a, lda, b, ldb, c, ldc, k, m, n};
-  const int64_t depth = std::min(k, kWgDepth);
-  const int64_t panels = (n + kWgPanel - 1) / kWgPanel;
-  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, panels / 4));
-  const int64_t most = (panels + count - 1) / count;  // panels of one thread, at most
-  const size_t per_thread = static_cast<size_t>(depth * (most * kWgPanel + kWgBlockRows));
-  std::vector<float> buffers;
-  try {  // no exception may leave a C entry point
-    buffers.resize(per_thread * static_cast<size_t>(count));
-  } catch (...) {
-    return -1;
-  }
+// c = A·B (+ bias[n]), or c += A·B with `accumulate` (then no bias), for c [m, n] with rows
+// ldc apart, A(s, i) = a[s · a_step + i · a_row] and B(s, j) = b[s · b_step + j · b_col] over
+// s < k, one of each pair of strides 1 (see Product); threads and the runtime's entry points
+// as above. Returns 0, or -1 for arguments it does not take (then c is untouched).
+extern "C" int moe_ffn_product_f32(const float* a, int64_t a_step, int64_t a_row, const float* b, int64_t b_step,
+                                   int64_t b_col, const float* bias, float* c, int64_t ldc, int64_t k, int64_t m,
+                                   int64_t n, int accumulate, int threads, void* parallel, void* thread_num,
+                                   void* num_threads) {
+  const Product p{a, a_step, a_row, b, b_step, b_col, bias, c, ldc, k, m, n};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
-  on_team(team, count, [&](int64_t t, int64_t parts) {
-    int64_t q0, q1;
-    share(panels, 1, t, parts, &q0, &q1);
-    float* b_pack = buffers.data() + per_thread * t;
-    float* a_pack = b_pack + depth * most * kWgPanel;
-    for (int64_t s0 = 0; s0 < k; s0 += kWgDepth) {
-      const int64_t d = std::min(kWgDepth, k - s0);
-      // (a smaller team than asked for gives a thread more panels than its buffer holds)
-      for (int64_t q = q0; q < q1; q += most)
-        wgrad_range(p, q, std::min(q + most, q1), s0, d, accumulate || s0 > 0, b_pack, a_pack);
-    }
-  });
-  return 0;
+  return product(p, accumulate != 0, threads, team);
+}
+
+// a = silu(h[:, :F])·h[:, F:] for h [rows, 2F] (rows ldh apart) into a [rows, F] (lda).
+extern "C" int moe_ffn_swiglu_f32(const float* h, int64_t ldh, float* a, int64_t lda, int64_t rows, int64_t features,
+                                  int threads, void* parallel, void* thread_num, void* num_threads) {
+  const Swiglu p{h, ldh, nullptr, 0, nullptr, a, lda, nullptr, 0, nullptr, features};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return a ? swiglu(p, rows, threads, team) : -1;
+}
+
+// The gradient dh [rows, 2F] (lddh) of a = silu(gate)·up (h = gate | up, ldh) from da [rows, F]
+// (ldda) scaled by weight[r] (null: 1); on the way a itself (lda; null: not wanted) and
+// dweight[r] = sum_f a·da before the scaling (null: not wanted).
+extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const float* da, int64_t ldda,
+                                           const float* weight, float* a, int64_t lda, float* dh, int64_t lddh,
+                                           float* dweight, int64_t rows, int64_t features, int threads,
+                                           void* parallel, void* thread_num, void* num_threads) {
+  const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return dh && da ? swiglu(p, rows, threads, team) : -1;
 }

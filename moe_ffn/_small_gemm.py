@@ -24,14 +24,29 @@ products of bf16 experts on CPUs without bf16 matrix units, where torch would ei
 slow native bf16 GEMM or upcast the whole weight block first: the kernel reads the bf16
 weights as they are (half the bytes) and widens them in registers. bf16 forward, interleaved
 A/B in one process against torch's paths, T = 16 / 256: fine-grained 24.2 → 19.9 / 105 → 92
-ms, Mixtral 42.9 → 18.5 / 158 → 146 ms; forward+backward T = 16: 155 → 141, 196 → 170 ms. And float32 weight gradients aᵀ·b from
-1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's gradient memory
-and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's overwrite clears its
-output in a pass of its own first). Everything else — other weight gradients, other dtypes, CUDA, CPUs
+ms, Mixtral 42.9 → 18.5 / 158 → 146 ms; forward+backward T = 16: 155 → 141, 196 → 170 ms.
+
+Past those rows, float32 forward products and input gradients run on the packed product
+(_small_gemm.cpp: 6×16 register tiles over packed panels, as BLAS kernels are built), which
+on this machine outran torch's kernels at the expert sizes of the benchmark (8 or 16 experts'
+weights in turn, 5 interleaved rounds, GFLOP/s torch → packed): Mixtral's shape at 96–128
+rows forward 121–129 → 138–145, input gradient 114–126 → 130–135; at 256–512 rows 134–149 →
+128–157 and 115–144 → 119–155; the fine-grained shape at 256–512 rows forward 117–132 →
+116–159, input gradient 105–131 → 121–156 (one run, 2026-12-01 07:10 UTC; below 96 rows the
+two were level or the packed product slower, hence from 65). And float32 weight gradients
+aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's
+gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's
+overwrite clears its output in a pass of its own first).
+
+SwiGLU's elementwise work (grouped.py's `_hidden` and `_hidden_backward`): one pass over the
+rows where torch's ops make two in the forward and seven in the backward (see there).
+
+Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
 MOE_FFN_SMALL_GEMM=0 — runs on torch's kernels as before. Numerics: float32 products summed
 in another order than torch's kernels, i.e. the same rounding class (tests compare both
-against float64); bf16 results rounded from float32 once.
+against float64); bf16 results rounded from float32 once; silu through our own e^x (under
+an ulp, see exp8), otherwise the operations torch's kernels do, in the same order.
 
 Threads: torch's own OpenMP team, as many as torch.get_num_threads() says (at least 24 rows
 of the weight each): the kernel runs as one parallel region of the runtime torch loaded, found
@@ -77,7 +92,8 @@ def library() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         input_grad = lib.moe_ffn_input_grad_f32
-        weight_grad = lib.moe_ffn_weight_grad_f32
+        product = lib.moe_ffn_product_f32
+        swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -86,8 +102,11 @@ def library() -> Optional[ctypes.CDLL]:
         linear.restype = ctypes.c_int
     input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
     input_grad.restype = ctypes.c_int
-    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int] + team
-    weight_grad.restype = ctypes.c_int
+    product.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int] + team
+    swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64] + team
+    swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64] + team
+    for fn in (product, swiglu, swiglu_backward):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -142,7 +161,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     (to nearest even, as torch rounds) as the kernel writes it into out."""
     rows = x.shape[0]
     if not (
-        0 < rows <= MAX_ROWS
+        0 < rows
+        and (rows <= MAX_ROWS or x.dtype == torch.float32)  # more rows: the packed product
         and x.dtype == w.dtype == out.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and (b is None or (b.dtype == x.dtype and b.device.type == "cpu" and b.is_contiguous()))
@@ -162,6 +182,12 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
+    if rows > MAX_ROWS:  # A = x [rows, I] and B = wᵀ, read from w's rows
+        status = lib.moe_ffn_product_f32(
+            x.data_ptr(), 1, x.stride(0), w.data_ptr(), 1, w.stride(0), None if b is None else b.data_ptr(),
+            out.data_ptr(), out.stride(0), I, rows, O, 0, torch.get_num_threads(), *openmp,
+        )
+        return status == 0
     fn = lib.moe_ffn_linear_f32 if x.dtype == torch.float32 else lib.moe_ffn_linear_bf16
     status = fn(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
@@ -170,16 +196,18 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     return status == 0
 
 
-def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
-    """g·w_t for w_t = w.t() (w [O, I] with contiguous rows) by the kernel where it applies, as
-    a new [rows, I] tensor; None where it does not (the caller uses torch)."""
+def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
+    """g·w_t for w_t = w.t() (w [O, I] with contiguous rows) by the kernel where it applies,
+    into `out` [rows, I] or a new tensor; None where it does not (the caller uses torch, and
+    `out` is untouched)."""
     rows = g.shape[0]
     w = w_t.t()
     if not (
-        INPUT_GRAD_ROWS[0] <= rows <= INPUT_GRAD_ROWS[1]
+        INPUT_GRAD_ROWS[0] <= rows  # past INPUT_GRAD_ROWS[1]: the packed product
         and g.dtype == w.dtype == torch.float32
         and _rows_contiguous(g)
         and _rows_contiguous(w)
+        and (out is None or (out.dtype == torch.float32 and _writable_rows(out)))
         and not torch.compiler.is_compiling()
     ):
         return None
@@ -188,13 +216,22 @@ def input_grad(g: Tensor, w_t: Tensor) -> Optional[Tensor]:
         return None
     lib, openmp = kernel
     O, I = w.shape
-    if g.shape[1] != O:
-        raise ValueError(f"input_grad: g {tuple(g.shape)} does not fit w {tuple(w.shape)}")
-    y = g.new_empty(rows, I)
-    status = lib.moe_ffn_input_grad_f32(
-        g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
-        rows, O, I, torch.get_num_threads(), *openmp,
-    )
+    if g.shape[1] != O or (out is not None and out.shape != (rows, I)):
+        raise ValueError(
+            f"input_grad: g {tuple(g.shape)}, w {tuple(w.shape)} and out "
+            f"{None if out is None else tuple(out.shape)} do not fit"
+        )
+    y = g.new_empty(rows, I) if out is None else out
+    if rows > INPUT_GRAD_ROWS[1]:  # A = g [rows, O], B = w [O, I]
+        status = lib.moe_ffn_product_f32(
+            g.data_ptr(), 1, g.stride(0), w.data_ptr(), w.stride(0), 1, None, y.data_ptr(), y.stride(0),
+            O, rows, I, 0, torch.get_num_threads(), *openmp,
+        )
+    else:
+        status = lib.moe_ffn_input_grad_f32(
+            g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
+            rows, O, I, torch.get_num_threads(), *openmp,
+        )
     return y if status == 0 else None
 
 
@@ -223,8 +260,60 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
         raise ValueError(
             f"weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    status = lib.moe_ffn_weight_grad_f32(
-        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0),
+    status = lib.moe_ffn_product_f32(
+        a.data_ptr(), a.stride(0), 1, b.data_ptr(), b.stride(0), 1, None, out.data_ptr(), out.stride(0),
         k, m, n, int(accumulate), torch.get_num_threads(), *openmp,
     )
     return status == 0
+
+
+def _elementwise_applies(*tensors: Tensor) -> bool:
+    return (
+        all(t.dtype == torch.float32 and _rows_contiguous(t) for t in tensors)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def swiglu(h: Tensor) -> Optional[Tensor]:
+    """silu(gate)·up for h = gate | up [rows, 2F] by the kernel, as a new [rows, F] tensor (one
+    pass, where torch makes two); None where it does not run (the caller uses torch)."""
+    if not (_elementwise_applies(h) and h.shape[1] % 2 == 0):
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    lib, openmp = kernel
+    rows, F = h.shape[0], h.shape[1] // 2
+    a = h.new_empty(rows, F)
+    status = lib.moe_ffn_swiglu_f32(h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, torch.get_num_threads(), *openmp)
+    return a if status == 0 else None
+
+
+def swiglu_backward(
+    h: Tensor, da: Tensor, weight: Optional[Tensor], want_a: bool, want_dweight: bool
+) -> Optional[tuple[Optional[Tensor], Tensor, Optional[Tensor]]]:
+    """(a, dh, dweight) in one pass over h = gate | up [rows, 2F] and da [rows, F]: a =
+    silu(gate)·up (if wanted), dh the gradient of h from da·weight[:, None] (weight None: 1),
+    dweight[r] = Σ_f a·da (if wanted, before the scaling). None where the kernel does not run."""
+    rows, F = da.shape
+    if not (
+        _elementwise_applies(h, da)
+        and h.shape == (rows, 2 * F)
+        and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
+    ):
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    lib, openmp = kernel
+    if weight is not None:
+        weight = weight.to(torch.float32).contiguous()
+    a = h.new_empty(rows, F) if want_a else None
+    dh = h.new_empty(rows, 2 * F)
+    dweight = h.new_empty(rows) if want_dweight else None
+    status = lib.moe_ffn_swiglu_backward_f32(
+        h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0), None if weight is None else weight.data_ptr(),
+        None if a is None else a.data_ptr(), F, dh.data_ptr(), dh.stride(0),
+        None if dweight is None else dweight.data_ptr(), rows, F, torch.get_num_threads(), *openmp,
+    )
+    return (a, dh, dweight) if status == 0 else None

@@ -47,8 +47,12 @@ def _strided(rows: int, cols: int) -> torch.Tensor:
     return torch.randn(rows + 2, cols + 5)[1 : rows + 1, 2 : cols + 2]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64])
-@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512)])
+# from 65 rows: the packed product (tiles of 6 rows, w's rows transposed into 16-column
+# panels 8 by 8, sums deeper than 256 in passes; past 192 rows, blocks of rows)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 97, 200])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_float64(rows, shape, bias):
     _needs_kernel()
@@ -127,16 +131,26 @@ def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(
     assert _small_gemm.linear_into(out32, x.float(), w.float(), b.float())
     assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16, 24, 37, 64])  # from 24: w packed first
-@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000)])
-def test_input_grad_matches_float64(rows, shape):
+# from 24: w packed first; from 65: the packed product (see test_linear_matches_float64)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 16, 24, 37, 64, 65, 97, 200])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000), (300, 40), (261, 1100)]
+)
+@pytest.mark.parametrize("into", [False, True])
+def test_input_grad_matches_float64(rows, shape, into):
+    """Into a new tensor, or into `out`, a slice of a wider tensor whose other columns stay
+    untouched."""
     _needs_kernel()
     O, I = shape
     g, w = _strided(rows, O), _strided(O, I)
-    y = _small_gemm.input_grad(g, w.t())
+    wide = torch.full((rows, I + 4), float("nan"))
+    y = _small_gemm.input_grad(g, w.t(), out=wide[:, 1 : I + 1] if into else None)
     assert y is not None and y.shape == (rows, I)
     ref = g.double() @ w.double()
     assert ((y.double() - ref).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
+    if into:
+        assert y.data_ptr() == wide[:, 1:].data_ptr()
+        assert wide[:, :1].isnan().all() and wide[:, I + 1 :].isnan().all()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128])
@@ -183,17 +197,19 @@ def test_results_do_not_depend_on_the_number_of_threads():
     """Each output element is one thread's sum in one fixed order: bitwise the same on 1 and
     2 threads (the threads split the outputs, not the sums)."""
     _needs_kernel()
-    x, w, g = torch.randn(13, 300), torch.randn(500, 300), torch.randn(9, 500)
+    x, w, g = torch.randn(100, 300), torch.randn(500, 300), torch.randn(100, 500)
+    h, da, weight = torch.randn(100, 600), torch.randn(100, 300), torch.rand(100)
     results = []
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            y = torch.empty(13, 500)
-            assert _small_gemm.linear_into(y, x, w, None)
+            y, y_packed = torch.empty(13, 500), torch.empty(100, 500)
+            assert _small_gemm.linear_into(y, x[:13], w, None) and _small_gemm.linear_into(y_packed, x, w, None)
             c = torch.empty(300, 500)
-            assert _small_gemm.weight_grad_into(c, x[:9].t(), g)
-            results.append((y, _small_gemm.input_grad(g, w.t()), c))
+            assert _small_gemm.weight_grad_into(c, x[:9].t(), g[:9])
+            grads = _small_gemm.input_grad(g[:9], w.t()), _small_gemm.input_grad(g, w.t())
+            results.append((y, y_packed, c, *grads, _small_gemm.swiglu(h), *_small_gemm.swiglu_backward(h, da, weight, True, True)))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(one, two) for one, two in zip(*results))
@@ -201,7 +217,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
 
 @pytest.mark.parametrize(
     "case",
-    ["float16", "float64", "mixed dtypes", "rows past the limit", "weight not row-contiguous", "no rows",
+    ["float16", "float64", "mixed dtypes", "bf16 rows past the limit", "weight not row-contiguous", "no rows",
      "output rows overlap"],
 )
 def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
@@ -212,8 +228,9 @@ def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
         w = w.bfloat16()
     elif case == "float64":
         x, w, out = x.double(), w.double(), out.double()
-    elif case == "rows past the limit":
-        x, out = torch.randn(_small_gemm.MAX_ROWS + 1, 16), torch.full((_small_gemm.MAX_ROWS + 1, 8), 7.0)
+    elif case == "bf16 rows past the limit":  # (float32 ones go to the packed product)
+        rows = _small_gemm.MAX_ROWS + 1
+        x, w, out = torch.randn(rows, 16).bfloat16(), w.bfloat16(), torch.full((rows, 8), 7.0).bfloat16()
     elif case == "weight not row-contiguous":
         w = torch.randn(16, 8).t()
     elif case == "no rows":
@@ -229,6 +246,76 @@ def test_misfit_shapes_are_an_error_naming_them():
     _needs_kernel()
     with pytest.raises(ValueError, match=r"x \(4, 16\), w \(8, 12\)"):
         _small_gemm.linear_into(torch.empty(4, 8), torch.randn(4, 16), torch.randn(8, 12), None)
+    with pytest.raises(ValueError, match=r"g \(4, 8\), w \(8, 12\) and out \(4, 11\)"):
+        _small_gemm.input_grad(torch.randn(4, 8), torch.randn(8, 12).t(), out=torch.empty(4, 11))
+
+
+# --- SwiGLU's elementwise kernels ------------------------------------------------------------
+
+
+def _swiglu_float64(h, da, weight):
+    gate, up = h.double().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    act = gate * s
+    a = act * up
+    dav = da.double() * (1.0 if weight is None else weight.double()[:, None])
+    dh = torch.cat([dav * up * s * (1 + gate * (1 - s)), dav * act], dim=-1)
+    return a, dh, (a * da.double()).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 50])
+@pytest.mark.parametrize("F", [1, 7, 8, 13, 300])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_swiglu_kernels_match_float64(rows, F, scaled):
+    """a = silu(gate)·up, dh and dweight in one pass, against float64: a and dh within a few
+    float32 roundings of each factor (e^x to under an ulp, one division), dweight within the
+    sum's bound. Inputs span e^x's clamped range; h and da are strided slices; F not a multiple
+    of 8 takes the masked tail."""
+    _needs_kernel()
+    torch.manual_seed(rows * 1000 + F)
+    h, da = _strided(rows, 2 * F) * 6, _strided(rows, F)
+    h[0, 0] = 95.0  # past the clamp at 88.3: e^-g ≈ 0, s = 1
+    if F > 1:
+        h[0, 1] = -95.0  # e^-g clamped: s ≈ 0
+    weight = torch.rand(rows) + 0.5 if scaled else None
+    a_ref, dh_ref, dweight_ref = _swiglu_float64(h, da, weight)
+    gate, up = h.double().chunk(2, dim=-1)
+    tol = 16 * U
+    a = _small_gemm.swiglu(h)
+    assert ((a.double() - a_ref).abs() <= tol * a_ref.abs() + 1e-30).all()
+    a2, dh, dweight = _small_gemm.swiglu_backward(h, da, weight, True, True)
+    assert torch.equal(a2, a)
+    # each part of dh is a product of factors, one of which (1 + g·(1 − s)) can cancel: bound
+    # it by the sizes of its terms, 1 + |g|·(1 − s) ≤ 1 + |g|
+    s = torch.sigmoid(gate)
+    dav = da.double().abs() * (1.0 if weight is None else weight.double()[:, None])
+    scale = torch.cat([dav * up.abs() * s * (1 + gate.abs()), dav * (gate * s).abs()], dim=-1)
+    assert ((dh.double() - dh_ref).abs() <= tol * scale + 1e-30).all()
+    bound = (F + 4) * U * (a_ref.abs() * da.double().abs()).sum(-1) + tol * (a_ref.abs() * da.double().abs()).sum(-1)
+    assert ((dweight.double() - dweight_ref).abs() <= bound + 1e-30).all()
+    none_a, dh_only, none_w = _small_gemm.swiglu_backward(h, da, weight, False, False)
+    assert none_a is None and none_w is None and torch.equal(dh_only, dh)
+
+
+def test_swiglu_kernels_pass_nan_through():
+    _needs_kernel()
+    h, da = torch.ones(2, 16), torch.ones(2, 8)
+    h[0, 3] = float("nan")  # a gate
+    h[1, 8 + 5] = float("nan")  # an up
+    a = _small_gemm.swiglu(h)
+    _, dh, dweight = _small_gemm.swiglu_backward(h, da, None, False, True)
+    assert a.isnan().nonzero().tolist() == [[0, 3], [1, 5]]
+    assert dh[0, [3, 8 + 3]].isnan().all() and dh[1, 5].isnan() and dweight.isnan().all()
+    assert dh.isnan().sum() == 3
+
+
+def test_swiglu_kernels_decline_what_they_do_not_take():
+    h, da = torch.randn(4, 16), torch.randn(4, 8)
+    assert _small_gemm.swiglu(h.double()) is None and _small_gemm.swiglu(h[:, :15]) is None
+    assert _small_gemm.swiglu(torch.randn(16, 4).t()) is None  # rows not contiguous
+    assert _small_gemm.swiglu_backward(h, da.double(), None, True, True) is None
+    assert _small_gemm.swiglu_backward(h, torch.randn(4, 9), None, True, True) is None  # da not [rows, F]
+    assert _small_gemm.swiglu_backward(h, da, torch.rand(3), True, True) is None  # weight not [rows]
 
 
 def test_environment_switch_turns_the_kernel_off():
@@ -267,8 +354,8 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
         ran["linear"] += done
         return done
 
-    def counted_grad(*args):
-        y = input_grad(*args)
+    def counted_grad(*args, **kwargs):
+        y = input_grad(*args, **kwargs)
         ran["input_grad"] += y is not None
         return y
 
