@@ -32,7 +32,7 @@ on this machine outran torch's kernels at the expert sizes of the benchmark (8 o
 weights in turn, 5 interleaved rounds, GFLOP/s torch → packed): Mixtral's shape at 96–128
 rows forward 121–129 → 138–145, input gradient 114–126 → 130–135; at 256–512 rows 134–149 →
 128–157 and 115–144 → 119–155; the fine-grained shape at 256–512 rows forward 116–136 →
-116–159, input gradient 105–135 → 121–156 (runs between 06:40 and 07:10 UTC, 2026-12-01;
+116–159, input gradient 105–135 → 121–156 (runs between 06:10 and 06:22 UTC, 2026-12-01;
 below 96 rows the two were level or the packed product slower, hence from 65). And float32 weight gradients
 aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's
 gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's
