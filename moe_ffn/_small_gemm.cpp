@@ -487,8 +487,8 @@ void pack_a(const Product& p, int64_t row, int64_t count, int64_t s0, int64_t de
 // panel of B passes under the block's tiles. `once`: every panel of B is packed before the
 // first block (into b_pack, depth·16 floats a panel), for c of many rows (a weight gradient);
 // else each panel is packed as the tiles come to it (into depth·16 floats), once per block.
-void product_range(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, bool add, int64_t block_rows,
-                   bool once, float* b_pack, float* a_pack) {
+void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t m1, int64_t s0, int64_t depth,
+                   bool add, int64_t block_rows, bool once, float* b_pack, float* a_pack) {
   const int64_t full = p.n / kPanel, tail = p.n - full * kPanel;
   auto pack_panel = [&](int64_t q, float* dst) {
     pack_b(p, q * kPanel, std::min(kPanel, p.n - q * kPanel), s0, depth, dst);
@@ -497,8 +497,8 @@ void product_range(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t
     for (int64_t q = q0; q < q1; ++q) pack_panel(q, b_pack + (q - q0) * depth * kPanel);
   const __m256i mask0 = first_lanes(std::min<int64_t>(tail, 8)), mask1 = first_lanes(std::max<int64_t>(tail - 8, 0));
   const bool with_bias = p.bias && !add;
-  for (int64_t r0 = 0; r0 < p.m; r0 += block_rows) {
-    const int64_t rows = std::min(block_rows, p.m - r0);
+  for (int64_t r0 = m0; r0 < m1; r0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m1 - r0);
     const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t row = r0 + t * kTileRows;
@@ -558,12 +558,17 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
     share(panels, 1, t, parts, &q0, &q1);
     float* b_pack = buffers.data() + per_thread * t;
     float* a_pack = b_pack + depth * (once ? most : 1) * kPanel;
-    for (int64_t s0 = 0; s0 < p.k; s0 += kDepth) {
-      const int64_t d = std::min(kDepth, p.k - s0);
-      // (a smaller team than asked for gives a thread more panels than its buffer holds)
-      for (int64_t q = q0; q < q1; q += most)
-        product_range(p, q, std::min(q + most, q1), s0, d, accumulate || s0 > 0, block_rows, once, b_pack, a_pack);
-    }
+    // B packed once: each pass over every row block; else each row block through every pass,
+    // so that the block's part of c stays in cache from pass to pass
+    const int64_t outer = once ? p.m : block_rows;
+    for (int64_t m0 = 0; m0 < p.m; m0 += outer)
+      for (int64_t s0 = 0; s0 < p.k; s0 += kDepth) {
+        const int64_t d = std::min(kDepth, p.k - s0), m1 = std::min(m0 + outer, p.m);
+        // (a smaller team than asked for gives a thread more panels than its buffer holds)
+        for (int64_t q = q0; q < q1; q += most)
+          product_range(p, q, std::min(q + most, q1), m0, m1, s0, d, accumulate || s0 > 0, block_rows, once, b_pack,
+                        a_pack);
+      }
   });
   return 0;
 }

@@ -33,7 +33,9 @@ weights in turn, 5 interleaved rounds, GFLOP/s torch → packed): Mixtral's shap
 rows forward 121–129 → 138–145, input gradient 114–126 → 130–135; at 256–512 rows 134–149 →
 128–157 and 115–144 → 119–155; the fine-grained shape at 256–512 rows forward 116–136 →
 116–159, input gradient 105–135 → 121–156 (runs between 06:10 and 06:22 UTC, 2026-12-01;
-below 96 rows the two were level or the packed product slower, hence from 65). And float32 weight gradients
+below 96 rows the two were level or the packed product slower, hence from 65). At 2048 rows (a dense block's
+products at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168
+GFLOP/s (5 rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32 weight gradients
 aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's
 gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's
 overwrite clears its output in a pass of its own first).
@@ -68,6 +70,7 @@ from torch import Tensor
 
 MAX_ROWS = 64
 INPUT_GRAD_ROWS = (2, 64)
+PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
 WEIGHT_GRAD_MAX_ROWS = 128
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
@@ -162,7 +165,7 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     rows = x.shape[0]
     if not (
         0 < rows
-        and (rows <= MAX_ROWS or x.dtype == torch.float32)  # more rows: the packed product
+        and (rows <= MAX_ROWS or (x.dtype == torch.float32 and rows <= PACKED_MAX_ROWS))  # the packed product
         and x.dtype == w.dtype == out.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and (b is None or (b.dtype == x.dtype and b.device.type == "cpu" and b.is_contiguous()))
@@ -203,7 +206,7 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
     rows = g.shape[0]
     w = w_t.t()
     if not (
-        INPUT_GRAD_ROWS[0] <= rows  # past INPUT_GRAD_ROWS[1]: the packed product
+        INPUT_GRAD_ROWS[0] <= rows <= PACKED_MAX_ROWS  # past INPUT_GRAD_ROWS[1]: the packed product
         and g.dtype == w.dtype == torch.float32
         and _rows_contiguous(g)
         and _rows_contiguous(w)
