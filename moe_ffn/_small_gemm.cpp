@@ -366,6 +366,7 @@ constexpr int64_t kDepth = 256;     // steps s per pass (longer sums add passes 
 constexpr int64_t kBlockRows = 48;  // rows of c whose slice of A is packed at a time with B packed once,
 constexpr int64_t kOneBlock = 192;  // else this many (all of c's rows up to this many: one block)
 constexpr int64_t kPackOnce = 1 << 17;  // B packed once per pass where a thread's part fits (floats)
+constexpr int64_t kGroup = 8;  // else panels of B packed at a time (rows of B read 8·16 floats at once)
 
 // One step of one row of a tile: c0 += a·b0, c1 += a·b1 (16 columns).
 inline __attribute__((always_inline)) void tile_row(const float* a, __m256 b0, __m256 b1, __m256& c0, __m256& c1) {
@@ -434,35 +435,43 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// Columns [col, col + width) of B (width ≤ 16) over steps [s0, s0 + depth) into a panel: the
-// 16 values of a step adjacent (zeros past width). Read in place, B's rows (or columns) lie a
-// row length apart, a power of two for these shapes, which puts a panel's rows in one L1 set;
-// packed, a panel passes under every tile of A from L1.
-void pack_b(const Product& p, int64_t col, int64_t width, int64_t s0, int64_t depth, float* dst) {
-  if (p.b_col == 1) {  // B's steps are rows: copy 16 values a step
+// Panels [q0, q1) of B (16 columns each) over steps [s0, s0 + depth), panel after panel in dst
+// (depth·16 floats each): the 16 values of a step adjacent, zeros past n. Read in place, B's
+// rows (or columns) lie a row length apart, a power of two for these shapes, which puts a
+// panel's rows in one L1 set; packed, a panel passes under every tile of A from L1.
+void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
+  const int64_t last_col = std::min(p.n, q1 * kPanel);
+  if (p.b_col == 1) {  // B's steps are rows: each step's part of a row read in one sweep
     for (int64_t s = 0; s < depth; ++s) {
-      const float* src = p.b + (s0 + s) * p.b_step + col;
-      if (width == kPanel) {
-        _mm256_storeu_ps(dst + s * kPanel, _mm256_loadu_ps(src));
-        _mm256_storeu_ps(dst + s * kPanel + 8, _mm256_loadu_ps(src + 8));
-      } else {
-        for (int64_t j = 0; j < kPanel; ++j) dst[s * kPanel + j] = j < width ? src[j] : 0.0f;
+      const float* src = p.b + (s0 + s) * p.b_step;
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t col = q * kPanel;
+        float* at = dst + (q - q0) * depth * kPanel + s * kPanel;
+        if (col + kPanel <= last_col) {
+          _mm256_storeu_ps(at, _mm256_loadu_ps(src + col));
+          _mm256_storeu_ps(at + 8, _mm256_loadu_ps(src + col + 8));
+        } else {
+          for (int64_t j = 0; j < kPanel; ++j) at[j] = col + j < last_col ? src[col + j] : 0.0f;
+        }
       }
     }
     return;
   }
   // B's columns are rows of b (w [n, k]): transposed, 8 steps by 8 columns at a time
-  const int64_t whole = width == kPanel ? depth / 8 * 8 : 0;
-  for (int64_t s = 0; s < whole; s += 8)
-    for (int64_t h = 0; h < kPanel; h += 8) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(p.b + (col + h + j) * p.b_col + s0 + s);
-      transpose8(r);
-      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (s + t) * kPanel + h, r[t]);
+  for (int64_t q = q0; q < q1; ++q, dst += depth * kPanel) {
+    const int64_t col = q * kPanel, width = std::min(kPanel, p.n - col);
+    const int64_t whole = width == kPanel ? depth / 8 * 8 : 0;
+    for (int64_t s = 0; s < whole; s += 8)
+      for (int64_t h = 0; h < kPanel; h += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(p.b + (col + h + j) * p.b_col + s0 + s);
+        transpose8(r);
+        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (s + t) * kPanel + h, r[t]);
+      }
+    for (int64_t j = 0; j < kPanel; ++j) {
+      const float* src = p.b + (col + j) * p.b_col + s0;
+      for (int64_t s = whole; s < depth; ++s) dst[s * kPanel + j] = j < width ? src[s] : 0.0f;
     }
-  for (int64_t j = 0; j < kPanel; ++j) {
-    const float* src = p.b + (col + j) * p.b_col + s0;
-    for (int64_t s = whole; s < depth; ++s) dst[s * kPanel + j] = j < width ? src[s] : 0.0f;
   }
 }
 
@@ -482,19 +491,15 @@ void pack_a(const Product& p, int64_t row, int64_t count, int64_t s0, int64_t de
   }
 }
 
-// Panels [q0, q1) of c (16 columns each) over steps [s0, s0 + depth), every row of c, in
+// Panels [q0, q1) of c (16 columns each) over steps [s0, s0 + depth), rows [m0, m1) of c, in
 // blocks of `block_rows` rows: a block's slice of A is packed into tiles of 6 rows, and each
 // panel of B passes under the block's tiles. `once`: every panel of B is packed before the
 // first block (into b_pack, depth·16 floats a panel), for c of many rows (a weight gradient);
-// else each panel is packed as the tiles come to it (into depth·16 floats), once per block.
+// else B is packed as the tiles come to it, kGroup panels at a time, once per block.
 void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t m1, int64_t s0, int64_t depth,
                    bool add, int64_t block_rows, bool once, float* b_pack, float* a_pack) {
   const int64_t full = p.n / kPanel, tail = p.n - full * kPanel;
-  auto pack_panel = [&](int64_t q, float* dst) {
-    pack_b(p, q * kPanel, std::min(kPanel, p.n - q * kPanel), s0, depth, dst);
-  };
-  if (once)
-    for (int64_t q = q0; q < q1; ++q) pack_panel(q, b_pack + (q - q0) * depth * kPanel);
+  if (once) pack_b(p, q0, q1, s0, depth, b_pack);
   const __m256i mask0 = first_lanes(std::min<int64_t>(tail, 8)), mask1 = first_lanes(std::max<int64_t>(tail - 8, 0));
   const bool with_bias = p.bias && !add;
   for (int64_t r0 = m0; r0 < m1; r0 += block_rows) {
@@ -505,8 +510,9 @@ void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t
       pack_a(p, row, std::min(kTileRows, r0 + rows - row), s0, depth, a_pack + t * depth * kTileRows);
     }
     for (int64_t q = q0; q < q1; ++q) {
-      const float* b_q = b_pack + (once ? (q - q0) * depth * kPanel : 0);
-      if (!once) pack_panel(q, b_pack);
+      const int64_t packed_from = once ? q0 : q0 + (q - q0) / kGroup * kGroup;
+      if (!once && q == packed_from) pack_b(p, q, std::min(q + kGroup, q1), s0, depth, b_pack);
+      const float* b_q = b_pack + (q - packed_from) * depth * kPanel;
       const bool partial = q == full;
       const float* bias = with_bias ? p.bias + q * kPanel : nullptr;
       for (int64_t t = 0; t < tiles; ++t) {
@@ -546,7 +552,7 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
   const bool once = p.m > kOneBlock && depth * most * kPanel <= kPackOnce;
   const int64_t block_rows = p.m <= kOneBlock ? p.m : once ? kBlockRows : kOneBlock;
   const int64_t a_floats = depth * (block_rows + kTileRows - 1) / kTileRows * kTileRows;
-  const size_t per_thread = static_cast<size_t>(depth * (once ? most : 1) * kPanel + a_floats);
+  const size_t per_thread = static_cast<size_t>(depth * (once ? most : kGroup) * kPanel + a_floats);
   std::vector<float> buffers;
   try {  // no exception may leave a C entry point
     buffers.resize(per_thread * static_cast<size_t>(count));
@@ -557,7 +563,7 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
     int64_t q0, q1;
     share(panels, 1, t, parts, &q0, &q1);
     float* b_pack = buffers.data() + per_thread * t;
-    float* a_pack = b_pack + depth * (once ? most : 1) * kPanel;
+    float* a_pack = b_pack + depth * (once ? most : kGroup) * kPanel;
     // B packed once: each pass over every row block; else each row block through every pass,
     // so that the block's part of c stays in cache from pass to pass
     const int64_t outer = once ? p.m : block_rows;
