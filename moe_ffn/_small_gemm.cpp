@@ -551,7 +551,7 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
   // weight gradient: few steps); else B's panels are packed once per block, of more rows.
   const bool once = p.m > kOneBlock && depth * most * kPanel <= kPackOnce;
   const int64_t block_rows = p.m <= kOneBlock ? p.m : once ? kBlockRows : kOneBlock;
-  const int64_t a_floats = depth * (block_rows + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t a_floats = depth * ((block_rows + kTileRows - 1) / kTileRows * kTileRows);
   const size_t per_thread = static_cast<size_t>(depth * (once ? most : kGroup) * kPanel + a_floats);
   std::vector<float> buffers;
   try {  // no exception may leave a C entry point

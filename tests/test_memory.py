@@ -158,9 +158,35 @@ def test_gradient_memory_is_reused_only_once_no_tensor_holds_it(keep):
     assert (third[:3] == 5.0).all() and (third[3] == 0).all() and (view == 3.0).all()
     third.fill_(7.0)
     del third
-    # one expert of four written: the pages are given back, everything reads as zeros
+    # one expert of four written: the idle slices' pages are given back and read as zeros, the
+    # written slice keeps its pages (stale)
     fourth, stale = _memory.gradient_memory(weight, like, [1])
-    assert fourth.data_ptr() == address and not stale and (fourth == 0).all()
+    assert fourth.data_ptr() == address and stale
+    assert (fourth[1] == 7.0).all() and (fourth[[0, 2, 3]] == 0).all()
+
+
+@needs_linux
+@pytest.mark.parametrize(
+    "shape", [(9, 120, 1000), (9, 128, 1024), (9, 120, 1001), (1200, 1, 1000)],
+    ids=["slices-of-480000-B", "page-aligned-slices", "odd-slices", "slices-under-a-page"],
+)
+def test_giving_back_idle_slices_clears_exactly_them(keep, shape):
+    """Mostly idle: each idle slice's whole pages are given back and the parts of pages it
+    shares with a neighbour zeroed by hand; the written slices, and the bytes of shared pages
+    that belong to them, keep their values."""
+    weight = torch.empty(shape)
+    like = torch.empty(0)
+    E = shape[0]
+    first, _ = _memory.gradient_memory(weight, like, list(range(E)))
+    values = torch.arange(1.0, E + 1.0).view(E, 1, 1).expand(shape)
+    first.copy_(values)
+    del first
+    written = [2, 3, 7]
+    grad, stale = _memory.gradient_memory(weight, like, written)
+    assert stale
+    assert torch.equal(grad[written], values[written])
+    idle = [e for e in range(E) if e not in written]
+    assert (grad[idle] == 0).all()
 
 
 @needs_linux
