@@ -27,18 +27,22 @@ A/B in one process against torch's paths, T = 16 / 256: fine-grained 24.2 → 19
 ms, Mixtral 42.9 → 18.5 / 158 → 146 ms; forward+backward T = 16: 155 → 141, 196 → 170 ms.
 
 Past those rows, float32 forward products and input gradients run on the packed product
-(_small_gemm.cpp: 6×16 register tiles over packed panels, as BLAS kernels are built), which
-on this machine outran torch's kernels at the expert sizes of the benchmark (8 or 16 experts'
-weights in turn, 5 interleaved rounds, GFLOP/s torch → packed): Mixtral's shape at 96–128
-rows forward 121–129 → 138–145, input gradient 114–126 → 130–135; at 256–512 rows 134–149 →
-128–157 and 115–144 → 119–155; the fine-grained shape at 256–512 rows forward 116–136 →
-116–159, input gradient 105–135 → 121–156 (runs between 06:10 and 06:22 UTC, 2026-12-01;
-below 96 rows the two were level or the packed product slower, hence from 65). At 2048 rows (a dense block's
-products at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168
-GFLOP/s (5 rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32 weight gradients
-aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the last step's
-gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS` there: MKL's
-overwrite clears its output in a pass of its own first).
+(_small_gemm.cpp: 6×16 register tiles over packed panels, as BLAS kernels are built), which on
+this machine outran torch's kernels at the expert sizes of the benchmark (8 or 16 experts'
+weights in turn, 5 interleaved rounds, GFLOP/s torch → packed): Mixtral's shape at 96–128 rows
+forward 121–129 → 138–145, input gradient 114–126 → 130–135; at 256–512 rows 134–149 → 128–157
+and 115–144 → 119–155; the fine-grained shape at 256–512 rows forward 116–136 → 116–159, input
+gradient 105–135 → 121–156 (runs between 06:10 and 06:22 UTC, 2026-12-01; below 96 rows the two
+were level or the packed product slower). Against the unpacked kernels at 64–128 rows (7
+rounds, about 06:35 UTC) the packed product was level within the noise once it packed B 8 panels at
+a time (forward 88–137 against 91–126, input gradient 80–128 against 83–128), so the unpacked
+kernels keep the 1–64 rows they were tuned for and the packed product takes the rows torch's
+kernels ran before. At 2048 rows (a dense block's products
+at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168 GFLOP/s (5
+rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32
+weight gradients aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the
+last step's gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS`
+there: MKL's overwrite clears its output in a pass of its own first).
 
 SwiGLU's elementwise work (grouped.py's `_hidden` and `_hidden_backward`): one pass over the
 rows where torch's ops make two in the forward and seven in the backward (see there).
@@ -185,12 +189,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    if rows > MAX_ROWS:  # A = x [rows, I] and B = wᵀ, read from w's rows
-        status = lib.moe_ffn_product_f32(
-            x.data_ptr(), 1, x.stride(0), w.data_ptr(), 1, w.stride(0), None if b is None else b.data_ptr(),
-            out.data_ptr(), out.stride(0), I, rows, O, 0, torch.get_num_threads(), *openmp,
-        )
-        return status == 0
+    if rows > MAX_ROWS:  # A = x [rows, I], B = wᵀ read from w's rows
+        return _product(kernel, out, x, False, w, False, b)
     fn = lib.moe_ffn_linear_f32 if x.dtype == torch.float32 else lib.moe_ffn_linear_bf16
     status = fn(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
@@ -226,15 +226,11 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
         )
     y = g.new_empty(rows, I) if out is None else out
     if rows > INPUT_GRAD_ROWS[1]:  # A = g [rows, O], B = w [O, I]
-        status = lib.moe_ffn_product_f32(
-            g.data_ptr(), 1, g.stride(0), w.data_ptr(), w.stride(0), 1, None, y.data_ptr(), y.stride(0),
-            O, rows, I, 0, torch.get_num_threads(), *openmp,
-        )
-    else:
-        status = lib.moe_ffn_input_grad_f32(
-            g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
-            rows, O, I, torch.get_num_threads(), *openmp,
-        )
+        return y if _product(kernel, y, g, False, w, True) else None
+    status = lib.moe_ffn_input_grad_f32(
+        g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
+        rows, O, I, torch.get_num_threads(), *openmp,
+    )
     return y if status == 0 else None
 
 
@@ -257,15 +253,29 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
     kernel = _kernel()
     if kernel is None:
         return False
-    lib, openmp = kernel
     m, n = a.shape[1], b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
         raise ValueError(
             f"weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
+    return _product(kernel, out, a, True, b, True, accumulate=accumulate)
+
+
+def _product(
+    kernel: tuple, out: Tensor, a: Tensor, a_steps_are_rows: bool, b: Tensor, b_steps_are_rows: bool,
+    bias: Optional[Tensor] = None, accumulate: bool = False,
+) -> bool:
+    """out = A·B (+ bias), or out += A·B, on the packed product (_small_gemm.cpp's Product),
+    for shapes the caller has checked: A is a [k, m] (a_steps_are_rows: the sum runs over a's
+    rows) or a [m, k]; B is b [k, n] or b [n, k]. Returns whether it ran."""
+    lib, openmp = kernel
+    k = a.shape[0] if a_steps_are_rows else a.shape[1]
+    a_strides = (a.stride(0), 1) if a_steps_are_rows else (1, a.stride(0))  # (per step, per row of out)
+    b_strides = (b.stride(0), 1) if b_steps_are_rows else (1, b.stride(0))  # (per step, per column of out)
     status = lib.moe_ffn_product_f32(
-        a.data_ptr(), a.stride(0), 1, b.data_ptr(), b.stride(0), 1, None, out.data_ptr(), out.stride(0),
-        k, m, n, int(accumulate), torch.get_num_threads(), *openmp,
+        a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out.stride(0), k, out.shape[0], out.shape[1], int(accumulate),
+        torch.get_num_threads(), *openmp,
     )
     return status == 0
 

@@ -160,19 +160,16 @@ _SPLIT_INNER_MAX_ROWS = 2
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """x·wᵀ + b in x's dtype; small float32 CPU products take the fastest measured kernel
     (see above). The result may be a transposed view; with `out` it is written there."""
-    if out is None:
-        return _linear_product(x, w, b)
-    if b is None and not w.is_contiguous() and _small_gemm.input_grad(x, w, out=out) is not None:
-        return out  # written in place by the kernel: no temporary to copy
-    return out.copy_(_linear_product(x, w, b))
+    y = _linear_product(x, w, b, out)
+    return y if out is None or y is out else out.copy_(y)  # (the kernel writes into out itself)
 
 
-def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
         return F.linear(x, w, b)
     if b is None and not w.is_contiguous():  # g·W, an input gradient (see _small_gemm)
-        y = _small_gemm.input_grad(x, w)
+        y = _small_gemm.input_grad(x, w, out=out)
         if y is not None:
             return y
     if rows <= _SPLIT_INNER_MAX_ROWS and b is None and w.t().is_contiguous() and w.shape[1] % 2 == 0:
