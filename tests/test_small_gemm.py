@@ -365,6 +365,42 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
     assert ran["linear"] >= 2 * 3 and ran["input_grad"] >= 2 * 3  # both projections of (almost) every expert
 
 
+def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monkeypatch):
+    """Blocks past MAX_ROWS (150 tokens, top-2 of 4 experts: ~75 rows each) go to the packed
+    product, and the SwiGLU work to its one-pass kernels; the output and the gradients of the
+    input, the experts' weights and the router (through the routing weights' gradient the
+    backward kernel forms) match the float64 per-token loop."""
+    _needs_kernel()
+    ran = {"product": 0, "swiglu": 0, "swiglu_backward": 0}
+    product, swiglu, swiglu_backward = _small_gemm._product, _small_gemm.swiglu, _small_gemm.swiglu_backward
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            ran[name] += result is not None and result is not False
+            return result
+        return run
+
+    monkeypatch.setattr(_small_gemm, "_product", counted("product", product))
+    monkeypatch.setattr(_small_gemm, "swiglu", counted("swiglu", swiglu))
+    monkeypatch.setattr(_small_gemm, "swiglu_backward", counted("swiglu_backward", swiglu_backward))
+    torch.manual_seed(11)
+    D, F, E, K, T = 40, 24, 4, 2, 150
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)
+    x = torch.randn(T, D, requires_grad=True)
+    g = torch.randn(T, D)
+    params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
+    grads = torch.autograd.grad((moe(x) * g).sum(), params)
+    big = sum(_small_gemm.MAX_ROWS < c <= _small_gemm.PACKED_MAX_ROWS for c in moe.stats.tokens_per_expert_E.tolist())
+    assert big >= 1 and ran["product"] == 4 * big  # each: two forward products, two input gradients
+    assert ran["swiglu"] >= 1 and ran["swiglu_backward"] >= 1
+    leaves = [t.detach().double().requires_grad_() for t in params]
+    ref = moe_forward(*leaves, K)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    for name, a, b in zip(("x", "router", "gate_up_proj", "down_proj"), grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
+
+
 def test_layer_matches_float64_on_torch_kernels(torch_kernels_only):
     _layer_against_float64(T=12)
 
