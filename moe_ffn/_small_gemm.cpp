@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -217,10 +218,12 @@ int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b,
 
 // ---- input gradient: y = g·w ----------------------------------------------------------------
 
+// W: float (float32 weights) or uint16_t (bfloat16 weights, widened as they are loaded).
+template <typename W>
 struct InputGrad {
   const float* g;
   int64_t ldg;
-  const float* w;
+  const W* w;
   int64_t ldw;
   float* y;
   int64_t ldy;
@@ -246,9 +249,10 @@ inline __attribute__((always_inline)) void fma_row(__m256 g_io, __m256 w0, __m25
 // over rows [o0, o0 + count) of w, added into y (written when `fresh`: the first chunk).
 // The accumulators are named variables, not an array: GCC 12 kept a [4][3] array of them in
 // memory and stored all twelve on every step of this loop (it does not for linear_tile's).
-template <int ROWS, int VECS, bool MASKED>
-void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t o0, int64_t count, bool fresh,
-               __m256i mask, const float* w, int64_t ldw) {
+// w: float or uint16_t (bf16 bits, see load8), its last vector's `tail` lanes read when MASKED.
+template <int ROWS, int VECS, bool MASKED, typename W, typename WT>
+void grad_tile(const InputGrad<W>& p, const float* g, int64_t c, float* y, int64_t o0, int64_t count, bool fresh,
+               __m256i mask, int64_t tail, const WT* w, int64_t ldw) {
   static_assert(1 <= ROWS && ROWS <= 4 && 1 <= VECS && VECS <= 3, "tile");
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
@@ -257,10 +261,11 @@ void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t 
   auto load = [mask](const float* at, bool partial) {
     return partial ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
   };
+  auto load_w = [mask, tail](const WT* at, bool partial) { return partial ? load_tail(at, tail, mask) : load8(at); };
   for (int64_t o = 0; o < count; ++o, w += ldw) {
-    const __m256 w0 = load(w, MASKED && VECS == 1);
-    const __m256 w1 = VECS > 1 ? load(w + 8, MASKED && VECS == 2) : z;
-    const __m256 w2 = VECS > 2 ? load(w + 16, MASKED) : z;
+    const __m256 w0 = load_w(w, MASKED && VECS == 1);
+    const __m256 w1 = VECS > 1 ? load_w(w + 8, MASKED && VECS == 2) : z;
+    const __m256 w2 = VECS > 2 ? load_w(w + 16, MASKED) : z;
     fma_row<VECS>(_mm256_broadcast_ss(g0 + o), w0, w1, w2, a00, a01, a02);
     if constexpr (ROWS > 1) fma_row<VECS>(_mm256_broadcast_ss(g1 + o), w0, w1, w2, a10, a11, a12);
     if constexpr (ROWS > 2) fma_row<VECS>(_mm256_broadcast_ss(g2 + o), w0, w1, w2, a20, a21, a22);
@@ -278,18 +283,18 @@ void grad_tile(const InputGrad& p, const float* g, int64_t c, float* y, int64_t 
 }
 
 // w: the panel's first row at its first column, ldw apart (w itself, or a packed copy).
-template <int VECS, bool MASKED>
-void grad_panel(const InputGrad& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask, const float* w,
-                int64_t ldw) {
+template <int VECS, bool MASKED, typename W, typename WT>
+void grad_panel(const InputGrad<W>& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask, int64_t tail,
+                const WT* w, int64_t ldw) {
   int64_t r = 0;
   for (; r + 4 <= p.rows; r += 4)
-    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask, w, ldw);
+    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask, tail, w, ldw);
   const float* g = p.g + r * p.ldg;
   float* y = p.y + r * p.ldy;
   switch (p.rows - r) {
-    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
-    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
-    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, w, ldw); break;
+    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
+    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
+    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
     default: break;
   }
 }
@@ -302,8 +307,10 @@ constexpr int64_t kPackedChunk = 64;  // rows of w per pass over y when packed
 // of consecutive rows: read in place, a panel's rows lie a row length apart, which for a
 // power-of-two length puts them all in one L1 set, evicting each other while the row tiles
 // pass over them.
-void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t last) {
-  const __m256i mask = first_lanes((last - first) % 8);
+template <typename W>
+void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int64_t last) {
+  const int64_t tail = (last - first) % 8;
+  const __m256i mask = first_lanes(tail);
   const bool pack = p.rows >= kPackRows;
   const int64_t chunk = pack ? kPackedChunk : kChunk;
   const int64_t width = last - first, padded = (width + 7) / 8 * 8;
@@ -312,34 +319,53 @@ void grad_range(const InputGrad& p, int64_t out_features, int64_t first, int64_t
     const int64_t count = std::min(chunk, out_features - o0);
     const bool fresh = o0 == 0;
     // panel q of width wq starts at column c (relative to first); packed at chunk·c, rows wq apart
-    auto panel = [&](int64_t c, int64_t wq) -> std::pair<const float*, int64_t> {
-      if (!pack) return {p.w + o0 * p.ldw + first + c, p.ldw};
-      return {packed.data() + chunk * c, wq};
-    };
-    if (pack) {
+    if (pack) {  // (bf16 weights widened to float32 on the way)
       for (int64_t o = 0; o < count; ++o) {
-        const float* src = p.w + (o0 + o) * p.ldw + first;
+        const W* src = p.w + (o0 + o) * p.ldw + first;
         int64_t c = 0;
         for (; c + 24 <= width; c += 24)
-          for (int v = 0; v < 3; ++v) _mm256_storeu_ps(packed.data() + chunk * c + o * 24 + 8 * v, _mm256_loadu_ps(src + c + 8 * v));
-        for (; c + 8 <= width; c += 8) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, _mm256_loadu_ps(src + c));
-        if (c < width) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, _mm256_maskload_ps(src + c, mask));
+          for (int v = 0; v < 3; ++v) _mm256_storeu_ps(packed.data() + chunk * c + o * 24 + 8 * v, load8(src + c + 8 * v));
+        for (; c + 8 <= width; c += 8) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, load8(src + c));
+        if (c < width) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, load_tail(src + c, tail, mask));
       }
     }
+    // panel of VECS vectors at column c (relative to first): packed at chunk·c, rows 8·VECS
+    // apart; else read in place
+    auto run = [&](auto vecs, auto masked, int64_t c) {
+      constexpr int VECS = decltype(vecs)::value;
+      constexpr bool MASKED = decltype(masked)::value;
+      if (pack)
+        grad_panel<VECS, MASKED>(p, first + c, o0, count, fresh, mask, tail, packed.data() + chunk * c, 8 * VECS);
+      else
+        grad_panel<VECS, MASKED>(p, first + c, o0, count, fresh, mask, tail, p.w + o0 * p.ldw + first + c, p.ldw);
+    };
+    using three = std::integral_constant<int, 3>;
+    using one = std::integral_constant<int, 1>;
     int64_t c = 0;
-    for (; c + 24 <= width; c += 24) {
-      const auto [w, ldw] = panel(c, 24);
-      grad_panel<3, false>(p, first + c, o0, count, fresh, mask, w, ldw);
-    }
-    for (; c + 8 <= width; c += 8) {
-      const auto [w, ldw] = panel(c, 8);
-      grad_panel<1, false>(p, first + c, o0, count, fresh, mask, w, ldw);
-    }
-    if (c < width) {
-      const auto [w, ldw] = panel(c, 8);
-      grad_panel<1, true>(p, first + c, o0, count, fresh, mask, w, ldw);
-    }
+    for (; c + 24 <= width; c += 24) run(three{}, std::false_type{}, c);
+    for (; c + 8 <= width; c += 8) run(one{}, std::false_type{}, c);
+    if (c < width) run(one{}, std::true_type{}, c);
   }
+}
+
+template <typename W>
+int input_grad(const float* g, int64_t ldg, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t rows,
+               int64_t out_features, int64_t in_features, int threads, const Team& team) {
+  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+  if (rows == 0 || in_features == 0) return 0;
+  if (out_features == 0) {
+    for (int64_t r = 0; r < rows; ++r) std::fill(y + r * ldy, y + r * ldy + in_features, 0.0f);
+    return 0;
+  }
+  const InputGrad<W> p{g, ldg, w, ldw, y, ldy, rows, in_features};
+  // At least 48 columns (6 vectors) per thread.
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / 48));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(in_features, 8, t, n, &first, &last);
+    if (first < last) grad_range(p, out_features, first, last);
+  });
+  return 0;
 }
 
 // ---- packed products: c = A·B in 6×16 register tiles -----------------------------------------
@@ -718,22 +744,17 @@ extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_
 extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* w, int64_t ldw, float* y,
                                       int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
                                       int threads, void* parallel, void* thread_num, void* num_threads) {
-  if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
-  if (rows == 0 || in_features == 0) return 0;
-  if (out_features == 0) {
-    for (int64_t r = 0; r < rows; ++r) std::fill(y + r * ldy, y + r * ldy + in_features, 0.0f);
-    return 0;
-  }
-  const InputGrad p{g, ldg, w, ldw, y, ldy, rows, in_features};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
-  // At least 48 columns (6 vectors) per thread.
-  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / 48));
-  on_team(team, count, [&](int64_t t, int64_t n) {
-    int64_t first, last;
-    share(in_features, 8, t, n, &first, &last);
-    if (first < last) grad_range(p, out_features, first, last);
-  });
-  return 0;
+  return input_grad(g, ldg, w, ldw, y, ldy, rows, out_features, in_features, threads, team);
+}
+
+// The same with w bfloat16 (its bits), read as it is and widened exactly as it is loaded: the
+// sums are the ones moe_ffn_input_grad_f32 forms on a float32 copy of w, in the same order.
+extern "C" int moe_ffn_input_grad_bf16w(const float* g, int64_t ldg, const uint16_t* w, int64_t ldw, float* y,
+                                        int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
+                                        int threads, void* parallel, void* thread_num, void* num_threads) {
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return input_grad(g, ldg, w, ldw, y, ldy, rows, out_features, in_features, threads, team);
 }
 
 // c = A·B (+ bias[n]), or c += A·B with `accumulate` (then no bias), for c [m, n] with rows

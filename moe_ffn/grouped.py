@@ -160,6 +160,11 @@ _SPLIT_INNER_MAX_ROWS = 2
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """x·wᵀ + b in x's dtype; small float32 CPU products take the fastest measured kernel
     (see above). The result may be a transposed view; with `out` it is written there."""
+    if w.dtype != x.dtype:  # bf16 weights of a float32 product: the kernel reads them as they are
+        y = _small_gemm.input_grad(x, w, out=out) if b is None and not w.is_contiguous() else None
+        if y is not None:
+            return y
+        w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
     y = _linear_product(x, w, b, out)
     return y if out is None or y is out else out.copy_(y)  # (the kernel writes into out itself)
 
@@ -860,7 +865,7 @@ def _ffn_backward(
         da_gF = g_gD.new_empty(last - first, F_)
         for e, start, stop in group:
             rows = slice(start - first, stop - first)
-            _linear(g_gD[rows], w2_EDF[e].to(cdt).t(), out=da_gF[rows])
+            _linear(g_gD[rows], w2_EDF[e].t(), out=da_gF[rows])  # (in cdt; bf16 weights read as they are)
         a_gF, dh_gH, dweight_g = _hidden_backward(
             h_gH, da_gF, weight_N[first:last] if routed else None, activation, gated, dtype,
             want_a=need_w, want_dweight=need_weight,
@@ -894,7 +899,7 @@ def _ffn_backward(
                     grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if again else 0)
                 written.add(e)
             if need_x:
-                _linear(dh_nH, w1_EHD[e].to(cdt).t(), out=dx_gD[rows] if routed else grad_x[start:stop])
+                _linear(dh_nH, w1_EHD[e].t(), out=dx_gD[rows] if routed else grad_x[start:stop])
         if dx_gD is not None:
             grad_x.index_add_(0, token_N[first:last], _round(dx_gD, dtype).to(grad_x.dtype))
         del x_gD, dx_gD, dh_gH

@@ -153,6 +153,32 @@ def test_input_grad_matches_float64(rows, shape, into):
         assert wide[:, :1].isnan().all() and wide[:, I + 1 :].isnan().all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64])  # from 24: w packed (widened) first
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (24, 8), (97, 3), (130, 200), (200, 1000)])
+def test_input_grad_reads_bf16_weights_as_the_float32_product_of_their_values(rows, shape):
+    """bf16 w with float32 g and out: each bf16 widens exactly, so the result is the float32
+    kernel's on w's float32 values, bit for bit, and within the float64 bound of them."""
+    _needs_kernel()
+    O, I = shape
+    g, w = _strided(rows, O), _strided(O, I).bfloat16()
+    wide = torch.full((rows, I + 2), float("nan"))
+    y = _small_gemm.input_grad(g, w.t(), out=wide[:, 1 : I + 1])
+    assert y is not None
+    w32 = w.float()
+    ref = g.double() @ w32.double()
+    assert ((y.double() - ref).abs() <= _bound(g.double().abs(), w32.double().abs(), O)).all()
+    if rows >= _small_gemm.INPUT_GRAD_ROWS[0]:
+        assert torch.equal(y, _small_gemm.input_grad(g, w32.t()))
+    assert wide[:, 0].isnan().all() and wide[:, I + 1].isnan().all()
+
+
+def test_input_grad_on_bf16_weights_declines_past_the_unpacked_rows():
+    rows = _small_gemm.INPUT_GRAD_ROWS[1] + 1
+    w = torch.randn(16, 8).bfloat16()
+    assert _small_gemm.input_grad(torch.randn(rows, 16), w.t()) is None
+    assert _small_gemm.input_grad(torch.randn(4, 16).bfloat16(), w.t()) is None  # g must be float32
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (97, 40), (130, 200), (300, 1000)])
 @pytest.mark.parametrize("accumulate", [False, True])
