@@ -382,6 +382,7 @@ struct Product {
   int64_t b_step, b_col;
   const float* bias;  // [n], added once where c is written (not accumulated); or null
   float* c;
+  uint16_t* c16;  // instead of c: bfloat16 bits, each float32 sum rounded once (one pass, no bias)
   int64_t ldc;
   int64_t k, m, n;
 };
@@ -406,9 +407,37 @@ inline __attribute__((always_inline)) void tile_row(const float* a, __m256 b0, _
 // The accumulators are named variables (see grad_tile for why). Stored into c, added to it
 // when `add`, plus bias (16 values, or null); the last columns masked by `mask0`/`mask1` when
 // `partial`.
-template <int ROWS>
-void product_tile(const float* a_pack, const float* b_pack, int64_t depth, float* c, int64_t ldc, bool add,
-                  const float* bias, bool partial, __m256i mask0, __m256i mask1) {
+// Eight float32 sums as bfloat16 bits, rounded as round_to_bf16 does (nearest even, NaN as
+// the quiet NaN 0x7FC0).
+inline __m128i round8_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i halves = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 r0..r3 | r4..r7 r4..r7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08));  // r0..r7
+}
+
+// The first `lanes` of eight sums into c: float32 as they are (masked), bfloat16 rounded.
+inline void store_sums(float* at, __m256 sum, int64_t lanes, __m256i mask) {
+  if (lanes == 8) _mm256_storeu_ps(at, sum);
+  else _mm256_maskstore_ps(at, mask, sum);
+}
+inline void store_sums(uint16_t* at, __m256 sum, int64_t lanes, __m256i) {
+  const __m128i bits = round8_to_bf16(sum);
+  if (lanes == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at), bits);
+    return;
+  }
+  alignas(16) uint16_t part[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(part), bits);
+  std::copy(part, part + lanes, at);
+}
+
+// C: float, or uint16_t (bfloat16 bits: stored, never added to; no bias).
+template <int ROWS, typename C>
+void product_tile(const float* a_pack, const float* b_pack, int64_t depth, C* c, int64_t ldc, bool add,
+                  const float* bias, bool partial, int64_t tail, __m256i mask0, __m256i mask1) {
   static_assert(1 <= ROWS && ROWS <= 6, "tile");
   const __m256 z = _mm256_setzero_ps();
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
@@ -427,17 +456,15 @@ void product_tile(const float* a_pack, const float* b_pack, int64_t depth, float
     for (int v = 0; v < 2; ++v)
       shift[v] = partial ? _mm256_maskload_ps(bias + 8 * v, v == 0 ? mask0 : mask1) : _mm256_loadu_ps(bias + 8 * v);
   for (int i = 0; i < ROWS; ++i) {
-    float* row = c + i * ldc;
+    C* row = c + i * ldc;
     for (int v = 0; v < 2; ++v) {
-      float* at = row + 8 * v;
+      C* at = row + 8 * v;
       const __m256i mask = v == 0 ? mask0 : mask1;
+      const int64_t lanes = partial ? std::clamp<int64_t>(tail - 8 * v, 0, 8) : 8;
       __m256 sum = bias ? _mm256_add_ps(acc[i][v], shift[v]) : acc[i][v];
-      if (partial) {
-        if (add) sum = _mm256_add_ps(sum, _mm256_maskload_ps(at, mask));
-        _mm256_maskstore_ps(at, mask, sum);
-      } else {
-        _mm256_storeu_ps(at, add ? _mm256_add_ps(sum, _mm256_loadu_ps(at)) : sum);
-      }
+      if constexpr (std::is_same_v<C, float>)
+        if (add) sum = _mm256_add_ps(sum, lanes == 8 ? _mm256_loadu_ps(at) : _mm256_maskload_ps(at, mask));
+      store_sums(at, sum, lanes, mask);
     }
   }
 }
@@ -544,15 +571,19 @@ void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t row = r0 + t * kTileRows, count = std::min(kTileRows, r0 + rows - row);
         const float* a_t = a_pack + t * depth * kTileRows;
-        float* c = p.c + row * p.ldc + q * kPanel;
-        switch (count) {
-          case 6: product_tile<6>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-          case 5: product_tile<5>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-          case 4: product_tile<4>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-          case 3: product_tile<3>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-          case 2: product_tile<2>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-          default: product_tile<1>(a_t, b_q, depth, c, p.ldc, add, bias, partial, mask0, mask1); break;
-        }
+        auto tile = [&](auto* c) {
+          switch (count) {
+            case 6: product_tile<6>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+            case 5: product_tile<5>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+            case 4: product_tile<4>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+            case 3: product_tile<3>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+            case 2: product_tile<2>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+            default: product_tile<1>(a_t, b_q, depth, c, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+          }
+        };
+        const int64_t at = row * p.ldc + q * kPanel;
+        if (p.c16) tile(p.c16 + at);
+        else tile(p.c + at);
       }
     }
   }
@@ -562,11 +593,15 @@ void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t
 int product(const Product& p, bool accumulate, int threads, const Team& team) {
   if (p.k < 0 || p.m < 0 || p.n < 0 || threads < 1 || (accumulate && p.bias)) return -1;
   if ((p.a_step != 1 && p.a_row != 1) || (p.b_step != 1 && p.b_col != 1)) return -1;
+  if (p.c16 && (accumulate || p.bias || p.k > kDepth)) return -1;  // bf16 sums: rounded once, in one pass
   if (p.m == 0 || p.n == 0) return 0;
   if (p.k == 0) {
     if (!accumulate)
       for (int64_t r = 0; r < p.m; ++r)
-        for (int64_t j = 0; j < p.n; ++j) p.c[r * p.ldc + j] = p.bias ? p.bias[j] : 0.0f;
+        for (int64_t j = 0; j < p.n; ++j) {
+          if (p.c16) p.c16[r * p.ldc + j] = 0;
+          else p.c[r * p.ldc + j] = p.bias ? p.bias[j] : 0.0f;
+        }
     return 0;
   }
   const int64_t depth = std::min(p.k, kDepth);
@@ -765,9 +800,19 @@ extern "C" int moe_ffn_product_f32(const float* a, int64_t a_step, int64_t a_row
                                    int64_t b_col, const float* bias, float* c, int64_t ldc, int64_t k, int64_t m,
                                    int64_t n, int accumulate, int threads, void* parallel, void* thread_num,
                                    void* num_threads) {
-  const Product p{a, a_step, a_row, b, b_step, b_col, bias, c, ldc, k, m, n};
+  const Product p{a, a_step, a_row, b, b_step, b_col, bias, c, nullptr, ldc, k, m, n};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
   return product(p, accumulate != 0, threads, team);
+}
+
+// The same product stored as bfloat16 (bits): each float32 sum rounded once as it is stored
+// (round_to_bf16); one pass only (k ≤ 256), no bias, no accumulating (-1 otherwise).
+extern "C" int moe_ffn_product_bf16c(const float* a, int64_t a_step, int64_t a_row, const float* b, int64_t b_step,
+                                     int64_t b_col, uint16_t* c, int64_t ldc, int64_t k, int64_t m, int64_t n,
+                                     int threads, void* parallel, void* thread_num, void* num_threads) {
+  const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, nullptr, c, ldc, k, m, n};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return product(p, false, threads, team);
 }
 
 // a = silu(h[:, :F])·h[:, F:] for h [rows, 2F] (rows ldh apart) into a [rows, F] (lda).

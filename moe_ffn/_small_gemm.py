@@ -105,7 +105,7 @@ def library() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
-        product = lib.moe_ffn_product_f32
+        product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
     except (OSError, AttributeError):
         return None
@@ -119,7 +119,8 @@ def library() -> Optional[ctypes.CDLL]:
     product.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int] + team
     swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64] + team
     swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64] + team
-    for fn in (product, swiglu, swiglu_backward):
+    product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
+    for fn in (product, product_bf16, swiglu, swiglu_backward):
         fn.restype = ctypes.c_int
     return lib
 
@@ -249,12 +250,15 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
     """out = a_t·b (out += a_t·b with `accumulate`) for a_t = a.t() (a [k, m] with contiguous
     rows: an output gradient's block of k rows) and b [k, n] (the input's rows) by the kernel,
     for 1–`WEIGHT_GRAD_MAX_ROWS` rows; returns whether it ran (when False, `out` is
-    untouched). `out`'s old contents are not read unless accumulating."""
+    untouched). `out`'s old contents are not read unless accumulating. a, b float32; out
+    float32, or bfloat16 (not accumulating): each float32 sum rounded once as it is stored,
+    where torch's path writes float32 slices and rounds them in a second pass."""
     a = a_t.t()
     k = a.shape[0]
     if not (
         0 < k <= WEIGHT_GRAD_MAX_ROWS
-        and a.dtype == b.dtype == out.dtype == torch.float32
+        and a.dtype == b.dtype == torch.float32
+        and (out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and not accumulate))
         and _rows_contiguous(a)
         and _rows_contiguous(b)
         and _writable_rows(out)
@@ -283,6 +287,12 @@ def _product(
     k = a.shape[0] if a_steps_are_rows else a.shape[1]
     a_strides = (a.stride(0), 1) if a_steps_are_rows else (1, a.stride(0))  # (per step, per row of out)
     b_strides = (b.stride(0), 1) if b_steps_are_rows else (1, b.stride(0))  # (per step, per column of out)
+    if out.dtype == torch.bfloat16:  # (one pass, no bias, not accumulating: the callers' shapes)
+        status = lib.moe_ffn_product_bf16c(
+            a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, out.data_ptr(), out.stride(0),
+            k, out.shape[0], out.shape[1], torch.get_num_threads(), *openmp,
+        )
+        return status == 0
     status = lib.moe_ffn_product_f32(
         a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, None if bias is None else bias.data_ptr(),
         out.data_ptr(), out.stride(0), k, out.shape[0], out.shape[1], int(accumulate),

@@ -201,6 +201,27 @@ def test_weight_grad_matches_float64(rows, shape, accumulate):
     assert wide[:, :3].isnan().all() and wide[:, N + 3 :].isnan().all()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 64, 128])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (130, 200), (300, 1000)])
+def test_weight_grad_into_bf16_is_the_float32_result_rounded_once(rows, shape):
+    """A bf16 `out` gets each float32 sum rounded to nearest even as it is stored: bit for bit
+    the float32 kernel's result rounded by torch, the last partial vectors included, NaN kept
+    NaN; out's neighbours in a wider tensor untouched."""
+    _needs_kernel()
+    M, N = shape
+    a, b = _strided(rows, M), _strided(rows, N)
+    a[0, 0] = float("nan")  # row 0 of out all NaN where b's row 0 is not zero
+    wide = torch.full((M, N + 6), 7.0).bfloat16()
+    out = wide[:, 3 : N + 3]
+    assert _small_gemm.weight_grad_into(out, a.t(), b)
+    out32 = torch.empty(M, N)
+    assert _small_gemm.weight_grad_into(out32, a.t(), b)
+    assert torch.equal(out.isnan(), out32.isnan()) and out[0].isnan().all()
+    finite = ~out32.isnan()
+    assert torch.equal(out[finite].view(torch.int16), out32[finite].bfloat16().view(torch.int16))
+    assert (wide[:, :3] == 7).all() and (wide[:, N + 3 :] == 7).all()
+
+
 def test_weight_grad_declines_what_it_does_not_take_and_leaves_out_untouched():
     a, b, out = torch.randn(4, 16), torch.randn(4, 8), torch.full((16, 8), 7.0)
     too_many = _small_gemm.WEIGHT_GRAD_MAX_ROWS + 1
@@ -210,10 +231,13 @@ def test_weight_grad_declines_what_it_does_not_take_and_leaves_out_untouched():
         (torch.randn(too_many, 16).t(), torch.randn(too_many, 8), out),
         (torch.randn(16, 4), b, out),  # aᵀ a plain [16, 4]: a's rows not contiguous
         (a.t()[:, :0], b[:0], out),
+        (a.t().bfloat16(), b.bfloat16(), out.bfloat16()),  # bf16 operands: the caller's fp32 products only
     ]
     for a_t, b_, out_ in cases:
         assert not _small_gemm.weight_grad_into(out_, a_t, b_)
         assert (out_ == 7).all()
+    out16 = out.bfloat16()  # a bf16 result is rounded once: never accumulated into
+    assert not _small_gemm.weight_grad_into(out16, a.t(), b, accumulate=True) and (out16 == 7).all()
     _needs_kernel()
     with pytest.raises(ValueError, match=r"a_t \(16, 4\), b \(4, 8\) and out \(16, 9\)"):
         _small_gemm.weight_grad_into(torch.empty(16, 9), a.t(), b)
