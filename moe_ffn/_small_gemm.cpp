@@ -5,7 +5,9 @@
 //     weight gradient c[m, n] = sum_r a[r, m] * b[r, n]             (aᵀ·b)
 //
 // for the rows r of a block and an expert's weight w [O, I] with contiguous rows; the forward
-// also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16); and SwiGLU's
+// also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16), the input gradient
+// also through bfloat16 weights (moe_ffn_input_grad_bf16w), the packed product also into a
+// bfloat16 c (moe_ffn_product_bf16c); and SwiGLU's
 // elementwise work around them. Built at install time as an optional extension
 // (pyproject.toml) and called through ctypes by moe_ffn/_small_gemm.py, which says when each
 // part is used and why (measured numbers there). No Python or torch API here: plain pointers

@@ -48,7 +48,9 @@ Input gradients through bf16 experts' weights (a bf16 layer's backward on CPUs w
 units, computed in float32): 1–`INPUT_GRAD_ROWS[1]` rows read the bf16 weight as it is,
 where torch's path first copied the whole weight to float32. bf16 forward+backward,
 interleaved A/B in one process (11 rounds), copy first / read as it is: Mixtral T=1 35.0 →
-21.0 ms, T=16 146.6 → 99.5; fine-grained T=1 11.8 → 10.6, T=16 95.9 → 90.0.
+21.0 ms, T=16 146.6 → 99.5; fine-grained T=1 11.8 → 10.6, T=16 95.9 → 90.0. And bf16
+weight gradients (from float32 products) stored by the packed product, each sum rounded once
+as it is stored (see grouped.py's _BF16_STORE_NOTE for where and the numbers).
 
 SwiGLU's elementwise work (grouped.py's `_hidden` and `_hidden_backward`): one pass over the
 rows where torch's ops make two in the forward and seven in the backward (see there).
