@@ -7,7 +7,7 @@
 // for the rows r of a block and an expert's weight w [O, I] with contiguous rows; the forward
 // also for bfloat16 tensors (summed in float32, see moe_ffn_linear_bf16), the input gradient
 // also through bfloat16 weights (moe_ffn_input_grad_bf16w), the packed product also into a
-// bfloat16 c (moe_ffn_product_bf16c); and SwiGLU's
+// bfloat16 c (moe_ffn_product_bf16c) and from a bfloat16 B (moe_ffn_product_bf16b); and SwiGLU's
 // elementwise work around them. Built at install time as an optional extension
 // (pyproject.toml) and called through ctypes by moe_ffn/_small_gemm.py, which says when each
 // part is used and why (measured numbers there). No Python or torch API here: plain pointers
@@ -382,6 +382,7 @@ struct Product {
   int64_t a_step, a_row;
   const float* b;
   int64_t b_step, b_col;
+  const uint16_t* b16;  // instead of b: B's values as bfloat16 bits, widened while packing
   const float* bias;  // [n], added once where c is written (not accumulated); or null
   float* c;
   uint16_t* c16;  // instead of c: bfloat16 bits, each float32 sum rounded once (one pass, no bias)
@@ -494,19 +495,29 @@ inline void transpose8(__m256 r[8]) {
 // (depth·16 floats each): the 16 values of a step adjacent, zeros past n. Read in place, B's
 // rows (or columns) lie a row length apart, a power of two for these shapes, which puts a
 // panel's rows in one L1 set; packed, a panel passes under every tile of A from L1.
-void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
+inline float widen(float value) { return value; }
+inline float widen(uint16_t bits) {  // a bf16 is the top half of the float32 of the same value
+  const uint32_t wide = uint32_t{bits} << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// B: float, or uint16_t (bfloat16 bits, widened exactly as they are loaded).
+template <typename B>
+void pack_b(const Product& p, const B* b, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
   const int64_t last_col = std::min(p.n, q1 * kPanel);
   if (p.b_col == 1) {  // B's steps are rows: each step's part of a row read in one sweep
     for (int64_t s = 0; s < depth; ++s) {
-      const float* src = p.b + (s0 + s) * p.b_step;
+      const B* src = b + (s0 + s) * p.b_step;
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t col = q * kPanel;
         float* at = dst + (q - q0) * depth * kPanel + s * kPanel;
         if (col + kPanel <= last_col) {
-          _mm256_storeu_ps(at, _mm256_loadu_ps(src + col));
-          _mm256_storeu_ps(at + 8, _mm256_loadu_ps(src + col + 8));
+          _mm256_storeu_ps(at, load8(src + col));
+          _mm256_storeu_ps(at + 8, load8(src + col + 8));
         } else {
-          for (int64_t j = 0; j < kPanel; ++j) at[j] = col + j < last_col ? src[col + j] : 0.0f;
+          for (int64_t j = 0; j < kPanel; ++j) at[j] = col + j < last_col ? widen(src[col + j]) : 0.0f;
         }
       }
     }
@@ -519,15 +530,20 @@ void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth,
     for (int64_t s = 0; s < whole; s += 8)
       for (int64_t h = 0; h < kPanel; h += 8) {
         __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(p.b + (col + h + j) * p.b_col + s0 + s);
+        for (int j = 0; j < 8; ++j) r[j] = load8(b + (col + h + j) * p.b_col + s0 + s);
         transpose8(r);
         for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (s + t) * kPanel + h, r[t]);
       }
     for (int64_t j = 0; j < kPanel; ++j) {
-      const float* src = p.b + (col + j) * p.b_col + s0;
-      for (int64_t s = whole; s < depth; ++s) dst[s * kPanel + j] = j < width ? src[s] : 0.0f;
+      const B* src = b + (col + j) * p.b_col + s0;
+      for (int64_t s = whole; s < depth; ++s) dst[s * kPanel + j] = j < width ? widen(src[s]) : 0.0f;
     }
   }
+}
+
+void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
+  if (p.b16) pack_b(p, p.b16, q0, q1, s0, depth, dst);
+  else pack_b(p, p.b, q0, q1, s0, depth, dst);
 }
 
 // Rows [row, row + count) of c (count ≤ 6) of A over steps [s0, s0 + depth) into a tile: the
@@ -755,12 +771,6 @@ extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_
                                    int64_t out_features, int64_t in_features, int threads, void* parallel,
                                    void* thread_num, void* num_threads) {
   if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
-  auto widen = [](uint16_t bits) {
-    const uint32_t wide = uint32_t{bits} << 16;
-    float value;
-    std::memcpy(&value, &wide, sizeof value);
-    return value;
-  };
   std::vector<float> x_wide, b_wide;
   try {  // no exception may leave a C entry point
     x_wide.resize(static_cast<size_t>(rows * in_features));
@@ -802,7 +812,7 @@ extern "C" int moe_ffn_product_f32(const float* a, int64_t a_step, int64_t a_row
                                    int64_t b_col, const float* bias, float* c, int64_t ldc, int64_t k, int64_t m,
                                    int64_t n, int accumulate, int threads, void* parallel, void* thread_num,
                                    void* num_threads) {
-  const Product p{a, a_step, a_row, b, b_step, b_col, bias, c, nullptr, ldc, k, m, n};
+  const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, bias, c, nullptr, ldc, k, m, n};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
   return product(p, accumulate != 0, threads, team);
 }
@@ -812,7 +822,18 @@ extern "C" int moe_ffn_product_f32(const float* a, int64_t a_step, int64_t a_row
 extern "C" int moe_ffn_product_bf16c(const float* a, int64_t a_step, int64_t a_row, const float* b, int64_t b_step,
                                      int64_t b_col, uint16_t* c, int64_t ldc, int64_t k, int64_t m, int64_t n,
                                      int threads, void* parallel, void* thread_num, void* num_threads) {
-  const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, nullptr, c, ldc, k, m, n};
+  const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, nullptr, nullptr, c, ldc, k, m, n};
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  return product(p, false, threads, team);
+}
+
+// The same product c = A·B (float32 c, no bias, not accumulating) with B's values bfloat16
+// (bits) read as they are, each widened exactly while B is packed: the sums are the ones
+// moe_ffn_product_f32 forms on a float32 copy of B, in the same order.
+extern "C" int moe_ffn_product_bf16b(const float* a, int64_t a_step, int64_t a_row, const uint16_t* b,
+                                     int64_t b_step, int64_t b_col, float* c, int64_t ldc, int64_t k, int64_t m,
+                                     int64_t n, int threads, void* parallel, void* thread_num, void* num_threads) {
+  const Product p{a, a_step, a_row, nullptr, b_step, b_col, b, nullptr, c, nullptr, ldc, k, m, n};
   const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
   return product(p, false, threads, team);
 }

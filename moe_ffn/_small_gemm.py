@@ -50,7 +50,13 @@ where torch's path first copied the whole weight to float32. bf16 forward+backwa
 interleaved A/B in one process (11 rounds), copy first / read as it is: Mixtral T=1 35.0 →
 21.0 ms, T=16 146.6 → 99.5; fine-grained T=1 11.8 → 10.6, T=16 95.9 → 90.0. And bf16
 weight gradients (from float32 products) stored by the packed product, each sum rounded once
-as it is stored (see grouped.py's _BF16_STORE_NOTE for where and the numbers).
+as it is stored (see grouped.py's _BF16_STORE_NOTE for where and the numbers). Past 64 rows
+(to `PACKED_MAX_ROWS`), bf16 forward products without bias and input gradients run on the
+packed product with the bf16 weight widened while it is packed, where torch's path copied the
+whole weight to float32 first (the forward's float32 result is rounded into out once).
+Interleaved A/B, copy first / widened while packed: Mixtral bf16 forward T=256 104.5 → 94.2
+ms (7 rounds), forward+backward 323.5 → 278.9 (5); fine-grained forward T=2048 433.5 → 393.6
+(5); fine-grained forward+backward T=256 (blocks of ~32 rows) level, 207.5 / 207.4.
 
 SwiGLU's elementwise work (grouped.py's `_hidden` and `_hidden_backward`): one pass over the
 rows where torch's ops make two in the forward and seven in the backward (see there).
@@ -108,6 +114,7 @@ def library() -> Optional[ctypes.CDLL]:
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
+        product_bf16b = lib.moe_ffn_product_bf16b
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
     except (OSError, AttributeError):
         return None
@@ -122,7 +129,8 @@ def library() -> Optional[ctypes.CDLL]:
     swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64] + team
     swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64] + team
     product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
-    for fn in (product, product_bf16, swiglu, swiglu_backward):
+    product_bf16b.argtypes = product_bf16.argtypes
+    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward):
         fn.restype = ctypes.c_int
     return lib
 
@@ -179,7 +187,7 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     rows = x.shape[0]
     if not (
         0 < rows
-        and (rows <= MAX_ROWS or (x.dtype == torch.float32 and rows <= PACKED_MAX_ROWS))  # the packed product
+        and (rows <= MAX_ROWS or (rows <= PACKED_MAX_ROWS and (x.dtype == torch.float32 or b is None)))
         and x.dtype == w.dtype == out.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and (b is None or (b.dtype == x.dtype and b.device.type == "cpu" and b.is_contiguous()))
@@ -199,8 +207,14 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    if rows > MAX_ROWS:  # A = x [rows, I], B = wᵀ read from w's rows
-        return _product(kernel, out, x, False, w, False, b)
+    if rows > MAX_ROWS:  # the packed product: A = x [rows, I], B = wᵀ read from w's rows
+        if x.dtype == torch.float32:
+            return _product(kernel, out, x, False, w, False, b)
+        y = x.new_empty(rows, O, dtype=torch.float32)  # bf16: w read as it is, y rounded once
+        if not _product(kernel, y, x.float(), False, w, False):
+            return False
+        out.copy_(y)
+        return True
     fn = lib.moe_ffn_linear_f32 if x.dtype == torch.float32 else lib.moe_ffn_linear_bf16
     status = fn(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
@@ -217,7 +231,8 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
     rows = g.shape[0]
     w = w_t.t()
     bf16_w = w.dtype == torch.bfloat16
-    least, most = (1, INPUT_GRAD_ROWS[1]) if bf16_w else (INPUT_GRAD_ROWS[0], PACKED_MAX_ROWS)
+    least = 1 if bf16_w else INPUT_GRAD_ROWS[0]
+    most = PACKED_MAX_ROWS
     if not (
         least <= rows <= most  # float32 past INPUT_GRAD_ROWS[1]: the packed product
         and g.dtype == torch.float32
@@ -289,6 +304,12 @@ def _product(
     k = a.shape[0] if a_steps_are_rows else a.shape[1]
     a_strides = (a.stride(0), 1) if a_steps_are_rows else (1, a.stride(0))  # (per step, per row of out)
     b_strides = (b.stride(0), 1) if b_steps_are_rows else (1, b.stride(0))  # (per step, per column of out)
+    if b.dtype == torch.bfloat16:  # B widened while packed (float32 out, no bias, not accumulating)
+        status = lib.moe_ffn_product_bf16b(
+            a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, out.data_ptr(), out.stride(0),
+            k, out.shape[0], out.shape[1], torch.get_num_threads(), *openmp,
+        )
+        return status == 0
     if out.dtype == torch.bfloat16:  # (one pass, no bias, not accumulating: the callers' shapes)
         status = lib.moe_ffn_product_bf16c(
             a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, out.data_ptr(), out.stride(0),

@@ -89,6 +89,25 @@ def test_linear_on_bf16_weights_is_the_float32_product_rounded_once(rows, shape,
 
 
 
+@pytest.mark.parametrize("rows", [65, 97, 200])
+@pytest.mark.parametrize("shape", [(5, 9), (50, 17), (256, 512), (40, 300)])
+def test_bf16_linear_past_the_unpacked_rows_is_the_float32_product_rounded_once(rows, shape):
+    """bf16 x, w, out past MAX_ROWS: the packed product on x widened and w read as it is, its
+    float32 sums rounded once into out: bit for bit the float32 packed product on widened
+    copies, rounded by torch; with a bias it declines (torch's path)."""
+    _needs_kernel()
+    O, I = shape
+    x, w = _strided(rows, I).bfloat16(), _strided(O, I).bfloat16()
+    wide = torch.full((rows, O + 2), 7.0).bfloat16()
+    out = wide[:, 1 : O + 1]
+    assert _small_gemm.linear_into(out, x, w, None)
+    out32 = torch.empty(rows, O)
+    assert _small_gemm.linear_into(out32, x.float(), w.float(), None)
+    assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
+    assert (wide[:, 0] == 7).all() and (wide[:, O + 1] == 7).all()
+    assert not _small_gemm.linear_into(out, x, w, torch.zeros(O).bfloat16())
+
+
 def test_bf16_results_round_to_nearest_even_as_torch_does():
     """The kernel rounds each float32 sum to bf16 as it writes it: the same bits as torch's
     float32 → bf16 conversion, on sums that are exact in float32 and land on ties (to even, up
@@ -153,7 +172,7 @@ def test_input_grad_matches_float64(rows, shape, into):
         assert wide[:, :1].isnan().all() and wide[:, I + 1 :].isnan().all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64])  # from 24: w packed (widened) first
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64, 65, 97, 200])  # 24: w packed first; 65: packed product
 @pytest.mark.parametrize("shape", [(1, 1), (5, 9), (24, 8), (97, 3), (130, 200), (200, 1000)])
 def test_input_grad_reads_bf16_weights_as_the_float32_product_of_their_values(rows, shape):
     """bf16 w with float32 g and out: each bf16 widens exactly, so the result is the float32
@@ -172,8 +191,8 @@ def test_input_grad_reads_bf16_weights_as_the_float32_product_of_their_values(ro
     assert wide[:, 0].isnan().all() and wide[:, I + 1].isnan().all()
 
 
-def test_input_grad_on_bf16_weights_declines_past_the_unpacked_rows():
-    rows = _small_gemm.INPUT_GRAD_ROWS[1] + 1
+def test_input_grad_on_bf16_weights_declines_past_the_packed_rows():
+    rows = _small_gemm.PACKED_MAX_ROWS + 1
     w = torch.randn(16, 8).bfloat16()
     assert _small_gemm.input_grad(torch.randn(rows, 16), w.t()) is None
     assert _small_gemm.input_grad(torch.randn(4, 16).bfloat16(), w.t()) is None  # g must be float32
@@ -267,7 +286,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
 
 @pytest.mark.parametrize(
     "case",
-    ["float16", "float64", "mixed dtypes", "bf16 rows past the limit", "weight not row-contiguous", "no rows",
+    ["float16", "float64", "mixed dtypes", "rows past the limit", "weight not row-contiguous", "no rows",
      "output rows overlap"],
 )
 def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
@@ -278,9 +297,9 @@ def test_declines_what_it_does_not_take_and_leaves_out_untouched(case):
         w = w.bfloat16()
     elif case == "float64":
         x, w, out = x.double(), w.double(), out.double()
-    elif case == "bf16 rows past the limit":  # (float32 ones go to the packed product)
-        rows = _small_gemm.MAX_ROWS + 1
-        x, w, out = torch.randn(rows, 16).bfloat16(), w.bfloat16(), torch.full((rows, 8), 7.0).bfloat16()
+    elif case == "rows past the limit":  # (past MAX_ROWS: the packed product, up to PACKED_MAX_ROWS)
+        rows = _small_gemm.PACKED_MAX_ROWS + 1
+        x, out = torch.randn(rows, 16), torch.full((rows, 8), 7.0)
     elif case == "weight not row-contiguous":
         w = torch.randn(16, 8).t()
     elif case == "no rows":
