@@ -177,13 +177,25 @@ def _writable_rows(t: Tensor) -> bool:  # no two rows on the same memory (an exp
     return _rows_contiguous(t) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
+def _kernel_for(inputs: tuple[Tensor, ...], out: Optional[Tensor]) -> Optional[tuple[ctypes.CDLL, tuple[int, int, int]]]:
+    """The kernel (as `_kernel`) where every input has contiguous rows, `out` (if given) rows
+    of its own, and torch.compile is not tracing; else None. Dtypes and sizes are each entry
+    point's own conditions."""
+    if torch.compiler.is_compiling() or not all(_rows_contiguous(t) for t in inputs):
+        return None
+    if out is not None and not _writable_rows(out):
+        return None
+    return _kernel()
+
+
 def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     """out = x·wᵀ + b by the kernel where it applies (see the module doc); returns whether
     it ran. When it returns False, `out` is untouched and the caller uses torch.
 
     float32 x, w, b, out: computed in place. bfloat16 ones: x and b widened to float32 (a few
     rows), w read as it is (the bulk of the bytes), each float32 sum rounded to bfloat16 once
-    (to nearest even, as torch rounds) as the kernel writes it into out."""
+    (to nearest even, as torch rounds) as the kernel writes it into out; past MAX_ROWS (no
+    bias) the packed product's float32 result is rounded into out once."""
     rows = x.shape[0]
     if not (
         0 < rows
@@ -191,13 +203,9 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
         and x.dtype == w.dtype == out.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and (b is None or (b.dtype == x.dtype and b.device.type == "cpu" and b.is_contiguous()))
-        and _rows_contiguous(x)
-        and _rows_contiguous(w)
-        and _writable_rows(out)
-        and not torch.compiler.is_compiling()
     ):
         return False
-    kernel = _kernel()
+    kernel = _kernel_for((x, w), out)
     if kernel is None:
         return False
     lib, openmp = kernel
@@ -226,24 +234,20 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
     """g·w_t for w_t = w.t() (w [O, I] with contiguous rows) by the kernel where it applies,
     into `out` [rows, I] or a new tensor; None where it does not (the caller uses torch, and
-    `out` is untouched). g, out float32; w float32, or bfloat16 read as it is (1 to
-    INPUT_GRAD_ROWS[1] rows: torch would first copy the whole weight to float32)."""
+    `out` is untouched). g, out float32; w float32, or bfloat16 read as it is, from one row
+    (torch would first copy the whole weight to float32). Past INPUT_GRAD_ROWS[1] rows: the
+    packed product."""
     rows = g.shape[0]
     w = w_t.t()
     bf16_w = w.dtype == torch.bfloat16
-    least = 1 if bf16_w else INPUT_GRAD_ROWS[0]
-    most = PACKED_MAX_ROWS
     if not (
-        least <= rows <= most  # float32 past INPUT_GRAD_ROWS[1]: the packed product
+        (1 if bf16_w else INPUT_GRAD_ROWS[0]) <= rows <= PACKED_MAX_ROWS
         and g.dtype == torch.float32
         and w.dtype in (torch.float32, torch.bfloat16)
-        and _rows_contiguous(g)
-        and _rows_contiguous(w)
-        and (out is None or (out.dtype == torch.float32 and _writable_rows(out)))
-        and not torch.compiler.is_compiling()
+        and (out is None or out.dtype == torch.float32)
     ):
         return None
-    kernel = _kernel()
+    kernel = _kernel_for((g, w), out)
     if kernel is None:
         return None
     lib, openmp = kernel
@@ -276,13 +280,9 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
         0 < k <= WEIGHT_GRAD_MAX_ROWS
         and a.dtype == b.dtype == torch.float32
         and (out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and not accumulate))
-        and _rows_contiguous(a)
-        and _rows_contiguous(b)
-        and _writable_rows(out)
-        and not torch.compiler.is_compiling()
     ):
         return False
-    kernel = _kernel()
+    kernel = _kernel_for((a, b), out)
     if kernel is None:
         return False
     m, n = a.shape[1], b.shape[1]
@@ -304,14 +304,11 @@ def _product(
     k = a.shape[0] if a_steps_are_rows else a.shape[1]
     a_strides = (a.stride(0), 1) if a_steps_are_rows else (1, a.stride(0))  # (per step, per row of out)
     b_strides = (b.stride(0), 1) if b_steps_are_rows else (1, b.stride(0))  # (per step, per column of out)
-    if b.dtype == torch.bfloat16:  # B widened while packed (float32 out, no bias, not accumulating)
-        status = lib.moe_ffn_product_bf16b(
-            a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, out.data_ptr(), out.stride(0),
-            k, out.shape[0], out.shape[1], torch.get_num_threads(), *openmp,
-        )
-        return status == 0
-    if out.dtype == torch.bfloat16:  # (one pass, no bias, not accumulating: the callers' shapes)
-        status = lib.moe_ffn_product_bf16c(
+    if torch.bfloat16 in (b.dtype, out.dtype):
+        # B widened while packed (float32 out), or a bf16 out rounded as stored (one pass):
+        # no bias, not accumulating (the callers' shapes)
+        fn = lib.moe_ffn_product_bf16b if b.dtype == torch.bfloat16 else lib.moe_ffn_product_bf16c
+        status = fn(
             a.data_ptr(), *a_strides, b.data_ptr(), *b_strides, out.data_ptr(), out.stride(0),
             k, out.shape[0], out.shape[1], torch.get_num_threads(), *openmp,
         )
@@ -324,19 +321,16 @@ def _product(
     return status == 0
 
 
-def _elementwise_applies(*tensors: Tensor) -> bool:
-    return (
-        all(t.dtype == torch.float32 and _rows_contiguous(t) for t in tensors)
-        and not torch.compiler.is_compiling()
-    )
+def _float32(*tensors: Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
 
 
 def swiglu(h: Tensor) -> Optional[Tensor]:
     """silu(gate)·up for h = gate | up [rows, 2F] by the kernel, as a new [rows, F] tensor (one
     pass, where torch makes two); None where it does not run (the caller uses torch)."""
-    if not (_elementwise_applies(h) and h.shape[1] % 2 == 0):
+    if not (_float32(h) and h.shape[1] % 2 == 0):
         return None
-    kernel = _kernel()
+    kernel = _kernel_for((h,), None)
     if kernel is None:
         return None
     lib, openmp = kernel
@@ -354,12 +348,12 @@ def swiglu_backward(
     dweight[r] = Σ_f a·da (if wanted, before the scaling). None where the kernel does not run."""
     rows, F = da.shape
     if not (
-        _elementwise_applies(h, da)
+        _float32(h, da)
         and h.shape == (rows, 2 * F)
         and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
     ):
         return None
-    kernel = _kernel()
+    kernel = _kernel_for((h, da), None)
     if kernel is None:
         return None
     lib, openmp = kernel
