@@ -154,7 +154,14 @@ def _profile(args: argparse.Namespace) -> int:
         except (ValueError, RuntimeError) as e:
             raise _UsageError(f"moe-ffn profile: error: {e}") from None
         try:
-            return _run(prof, args, preset)
+            status = _run(prof, args, preset)
+            # Every rank waits here before tearing down. Without it a rank could reach interpreter
+            # exit while a gloo worker thread still held its last all_gather's work: freeing that
+            # work's tensors then takes the GIL of a finalizing interpreter, and the process aborts
+            # ("terminate called without an active exception"; 4 of 20 `--ep 2` launches on a
+            # 2-core Xeon, 0 of 40 with the barrier).
+            dist.barrier()
+            return status
         finally:
             if ours:
                 dist.destroy_process_group()
