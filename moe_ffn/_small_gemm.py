@@ -80,6 +80,7 @@ import ctypes
 import functools
 import importlib.machinery
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -91,6 +92,57 @@ INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
 WEIGHT_GRAD_MAX_ROWS = 128
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Rows per block for which the entry points below take a product on this CPU (past them
+    they decline and torch's kernels run): the kernel computes more than this, but it is an
+    AVX2 kernel, and how far it stays ahead of torch's depends on what torch's kernels use."""
+
+    forward: int  # float32 x·Wᵀ: 1–forward rows (unpacked to MAX_ROWS, the packed product past it)
+    input_grad: int  # float32 g·W: INPUT_GRAD_ROWS[0]–input_grad rows (float32 or bf16 weights)
+    weight_grad: int  # float32 aᵀ·b: 1–weight_grad rows (0: never)
+    bf16: int  # and of those, the rows with bf16 operands (widened to float32 in registers)
+
+
+# Where torch's kernels are AVX2 too (the 2-core EPYC of the measurements above): every range
+# the kernel was measured ahead in.
+AVX2_RANGES = Ranges(
+    forward=PACKED_MAX_ROWS, input_grad=PACKED_MAX_ROWS, weight_grad=WEIGHT_GRAD_MAX_ROWS, bf16=PACKED_MAX_ROWS
+)
+# Where torch reports AVX512, MKL and oneDNN multiply with 512-bit FMAs, twice our AVX2 kernel's
+# width. `profiling/kernel_headroom.py` on a 2-core Xeon with AVX-512 and AMX (2026-12-01 11:06
+# UTC, 5 rounds, the benchmark's four expert weights), kernel / torch: forward 1.12–1.85× at
+# 1–8 rows, 0.88–1.19× at 10–12, 0.85–0.99× at 16, 0.35–0.87× at 32–256 (the packed product
+# included); input gradient 1.09–1.91× at 2–16 rows on three weights and 0.82–0.94× on the
+# fine-grained down projection's, 0.76–1.0× at 32, 0.42–0.69× from 64. Weight gradients
+# written over an old one (its "weight grad" rows, 2 and 32 rows, 11:09 UTC): 0.47–1.04×; a
+# script of the same interleaving at 1–128 rows: 0.42–0.86×. bf16 forward (`--dtype bf16`)
+# against torch's bf16 GEMM on the AMX units: 0.82–1.67× at 1–2 rows (two runs), 0.78–1.27×
+# at 4, 0.56–0.78× at 8, 0.10–0.49× from 16; in the layer (bf16 forward, interleaved A/B, 7
+# rounds) the kernel's 1-row blocks took Mixtral T=1 1.5 against 2.0 ms on torch's, fine 1.1
+# against 1.7, and fine T=16 (~2-row blocks) 15.0 against 15.7; so where the CPU has bf16
+# units, bf16 products of 1–2 rows stay on the kernel (`BF16_UNIT_ROWS`) and larger ones go to
+# torch. AVX-512 CPUs without bf16 units multiply bf16 in float32 (grouped.py's NOTE), where
+# the kernel's half-size reads of bf16 weights are kept for the same rows as float32 (not
+# measured on such a CPU).
+AVX512_RANGES = Ranges(forward=8, input_grad=16, weight_grad=0, bf16=PACKED_MAX_ROWS)
+BF16_UNIT_ROWS = 2
+
+
+def cpu_has_bf16_units() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as torch reports it."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.lru_cache(maxsize=None)
+def ranges() -> Ranges:
+    """The rows this CPU's kernel takes (see `Ranges`): by the vector width torch's kernels use
+    here (`torch.backends.cpu.get_cpu_capability`), and bf16 only in decode-sized blocks where
+    the CPU has bf16 units."""
+    chosen = AVX512_RANGES if torch.backends.cpu.get_cpu_capability() == "AVX512" else AVX2_RANGES
+    return replace(chosen, bf16=min(chosen.bf16, BF16_UNIT_ROWS)) if cpu_has_bf16_units() else chosen
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,12 +248,12 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     rows), w read as it is (the bulk of the bytes), each float32 sum rounded to bfloat16 once
     (to nearest even, as torch rounds) as the kernel writes it into out; past MAX_ROWS (no
     bias) the packed product's float32 result is rounded into out once."""
-    rows = x.shape[0]
+    rows, limits = x.shape[0], ranges()
     if not (
-        0 < rows
+        0 < rows <= limits.forward
         and (rows <= MAX_ROWS or (rows <= PACKED_MAX_ROWS and (x.dtype == torch.float32 or b is None)))
         and x.dtype == w.dtype == out.dtype
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and rows <= limits.bf16))
         and (b is None or (b.dtype == x.dtype and b.device.type == "cpu" and b.is_contiguous()))
     ):
         return False
@@ -237,13 +289,13 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
     `out` is untouched). g, out float32; w float32, or bfloat16 read as it is, from one row
     (torch would first copy the whole weight to float32). Past INPUT_GRAD_ROWS[1] rows: the
     packed product."""
-    rows = g.shape[0]
+    rows, limits = g.shape[0], ranges()
     w = w_t.t()
     bf16_w = w.dtype == torch.bfloat16
     if not (
-        (1 if bf16_w else INPUT_GRAD_ROWS[0]) <= rows <= PACKED_MAX_ROWS
+        (1 if bf16_w else INPUT_GRAD_ROWS[0]) <= rows <= min(PACKED_MAX_ROWS, limits.input_grad)
         and g.dtype == torch.float32
-        and w.dtype in (torch.float32, torch.bfloat16)
+        and (w.dtype == torch.float32 or (bf16_w and rows <= limits.bf16))
         and (out is None or out.dtype == torch.float32)
     ):
         return None
@@ -275,11 +327,11 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
     float32, or bfloat16 (not accumulating): each float32 sum rounded once as it is stored,
     where torch's path writes float32 slices and rounds them in a second pass."""
     a = a_t.t()
-    k = a.shape[0]
+    k, limits = a.shape[0], ranges()
     if not (
-        0 < k <= WEIGHT_GRAD_MAX_ROWS
+        0 < k <= min(WEIGHT_GRAD_MAX_ROWS, limits.weight_grad)
         and a.dtype == b.dtype == torch.float32
-        and (out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and not accumulate))
+        and (out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and not accumulate and k <= limits.bf16))
     ):
         return False
     kernel = _kernel_for((a, b), out)

@@ -219,7 +219,7 @@ def _rows_used(blocks: list[tuple[int, int, int]]) -> int:
 @functools.lru_cache(maxsize=None)
 def _cpu_has_matrix_units(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return _small_gemm.cpu_has_bf16_units()
     return torch.cpu._is_amx_fp16_supported()
 
 

@@ -23,6 +23,65 @@ on_x86_linux_with_avx2 = (
 )
 
 
+# Everything the kernel computes, on any CPU: the layer hands it less where torch's kernels are
+# faster (_small_gemm.ranges(): AVX-512 CPUs, bf16 units), but what it computes is tested whole.
+EVERY_RANGE = _small_gemm.Ranges(
+    forward=_small_gemm.PACKED_MAX_ROWS, input_grad=_small_gemm.PACKED_MAX_ROWS,
+    weight_grad=_small_gemm.WEIGHT_GRAD_MAX_ROWS, bf16=_small_gemm.PACKED_MAX_ROWS,
+)
+
+
+@pytest.fixture(autouse=True)
+def _every_range(request, monkeypatch):
+    if "machine_ranges" not in request.keywords:
+        monkeypatch.setattr(_small_gemm, "ranges", lambda: EVERY_RANGE)
+
+
+@pytest.mark.machine_ranges
+@pytest.mark.parametrize(
+    "capability, bf16_units, expected",
+    [
+        ("AVX2", False, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=512)),
+        ("AVX512", False, _small_gemm.Ranges(forward=8, input_grad=16, weight_grad=0, bf16=512)),
+        ("AVX512", True, _small_gemm.Ranges(forward=8, input_grad=16, weight_grad=0, bf16=2)),
+        ("AVX2", True, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=2)),
+    ],
+)
+def test_ranges_follow_the_cpu(monkeypatch, capability, bf16_units, expected):
+    """The rows the layer hands the kernel: all it was measured ahead in where torch's kernels
+    are AVX2 too; up to 8 forward and 16 input-gradient rows and no weight gradients where they
+    use AVX-512; bf16 operands in blocks of 1–2 rows only where the CPU multiplies bf16 itself."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(_small_gemm, "cpu_has_bf16_units", lambda: bf16_units)
+    _small_gemm.ranges.cache_clear()
+    try:
+        assert _small_gemm.ranges() == expected
+    finally:
+        _small_gemm.ranges.cache_clear()
+
+
+@pytest.mark.machine_ranges
+def test_the_entry_points_keep_to_this_machines_ranges():
+    """Past ranges() the entry points decline and leave `out` alone (torch's kernels run)."""
+    _needs_kernel()
+    limits = _small_gemm.ranges()
+    w = torch.randn(40, 24)
+    rows = limits.forward + 1
+    out = torch.full((rows, 40), 7.0)
+    assert not _small_gemm.linear_into(out, torch.randn(rows, 24), w, None)
+    assert bool((out == 7.0).all())
+    assert _small_gemm.input_grad(torch.randn(limits.input_grad + 1, 40), w) is None
+    grad = torch.full((40, 24), 7.0)
+    assert not _small_gemm.weight_grad_into(grad, torch.randn(limits.weight_grad + 1, 40).t(), torch.randn(limits.weight_grad + 1, 24))
+    assert bool((grad == 7.0).all())
+    if limits.bf16 < min(limits.forward, limits.input_grad):
+        rows, w16 = limits.bf16 + 1, w.bfloat16()
+        out16 = torch.zeros(rows, 40, dtype=torch.bfloat16)
+        assert not _small_gemm.linear_into(out16, torch.randn(rows, 24, dtype=torch.bfloat16), w16, None)
+        assert _small_gemm.input_grad(torch.randn(rows, 40), w16) is None
+        assert bool((out16 == 0).all())
+
+
 def _needs_kernel():
     if _small_gemm.library() is None or _small_gemm.torch_openmp() is None:
         pytest.skip("the kernel is not built or cannot run here (test_kernel_is_built_here says why where it must)")
