@@ -111,23 +111,26 @@ class Ranges:
 AVX2_RANGES = Ranges(
     forward=PACKED_MAX_ROWS, input_grad=PACKED_MAX_ROWS, weight_grad=WEIGHT_GRAD_MAX_ROWS, bf16=PACKED_MAX_ROWS
 )
-# Where torch reports AVX512, MKL and oneDNN multiply with 512-bit FMAs, twice our AVX2 kernel's
-# width. `profiling/kernel_headroom.py` on a 2-core Xeon with AVX-512 and AMX (2026-12-01 11:06
-# UTC, 5 rounds, the benchmark's four expert weights), kernel / torch: forward 1.12–1.85× at
-# 1–8 rows, 0.88–1.19× at 10–12, 0.85–0.99× at 16, 0.35–0.87× at 32–256 (the packed product
-# included); input gradient 1.09–1.91× at 2–16 rows on three weights and 0.82–0.94× on the
-# fine-grained down projection's, 0.76–1.0× at 32, 0.42–0.69× from 64. Weight gradients
-# written over an old one (its "weight grad" rows, 2 and 32 rows, 11:09 UTC): 0.47–1.04×; a
-# script of the same interleaving at 1–128 rows: 0.42–0.86×. bf16 forward (`--dtype bf16`)
-# against torch's bf16 GEMM on the AMX units: 0.82–1.67× at 1–2 rows (two runs), 0.78–1.27×
-# at 4, 0.56–0.78× at 8, 0.10–0.49× from 16; in the layer (bf16 forward, interleaved A/B, 7
-# rounds) the kernel's 1-row blocks took Mixtral T=1 1.5 against 2.0 ms on torch's, fine 1.1
-# against 1.7, and fine T=16 (~2-row blocks) 15.0 against 15.7; so where the CPU has bf16
-# units, bf16 products of 1–2 rows stay on the kernel (`BF16_UNIT_ROWS`) and larger ones go to
-# torch. AVX-512 CPUs without bf16 units multiply bf16 in float32 (grouped.py's NOTE), where
-# the kernel's half-size reads of bf16 weights are kept for the same rows as float32 (not
-# measured on such a CPU).
-AVX512_RANGES = Ranges(forward=8, input_grad=16, weight_grad=0, bf16=PACKED_MAX_ROWS)
+# Where torch reports AVX512, MKL and oneDNN multiply with 512-bit FMAs, twice our AVX2
+# kernel's width. `profiling/kernel_headroom.py` on a 2-core Xeon with AVX-512 and AMX
+# (2026-12-01 11:06 UTC, 5 rounds, the benchmark's four expert weights), kernel / torch:
+# forward 1.12–1.85× at 1–8 rows, 0.88–1.19× at 10–12, 0.85–0.99× at 16, 0.35–0.87× at
+# 32–256 (the packed product included); input gradient 1.09–1.91× at 2–16 rows on three
+# weights and 0.82–0.94× on the fine-grained down projection's, 0.76–1.0× at 32, 0.42–0.69×
+# from 64, against grouped.py's AVX2 choices. Against MKL's sgemm, the better choice there
+# (grouped.py, _AVX512_W_XT_MAX_ROWS), the input gradient was 1.09–1.45× at 2–8 rows on three
+# of the weights and behind from 12 rows (66–110 against 86–147 GFLOP/s at 12–16), hence 8.
+# Weight gradients written over an old one (its "weight grad" rows, 2 and 32 rows, 11:09 UTC):
+# 0.47–1.04×; a script of the same interleaving at 1–128 rows: 0.42–0.86×. bf16 forward
+# (`--dtype bf16`) against torch's bf16 GEMM on the AMX units: 0.82–1.67× at 1–2 rows (two
+# runs), 0.78–1.27× at 4, 0.56–0.78× at 8, 0.10–0.49× from 16; in the layer (bf16 forward,
+# interleaved A/B, 7 rounds) the kernel's 1-row blocks took Mixtral T=1 1.5 against 2.0 ms on
+# torch's, fine 1.1 against 1.7, and fine T=16 (~2-row blocks) 15.0 against 15.7; so where the
+# CPU has bf16 units, bf16 products of 1–2 rows stay on the kernel (`BF16_UNIT_ROWS`) and
+# larger ones go to torch. AVX-512 CPUs without bf16 units multiply bf16 in float32
+# (grouped.py's NOTE), where the kernel's half-size reads of bf16 weights are kept for the
+# same rows as float32 (not measured on such a CPU).
+AVX512_RANGES = Ranges(forward=8, input_grad=8, weight_grad=0, bf16=PACKED_MAX_ROWS)
 BF16_UNIT_ROWS = 2
 
 

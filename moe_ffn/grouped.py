@@ -157,6 +157,22 @@ _WIDE_W_XT_ROWS = (32, 192)
 _SPLIT_INNER_MAX_ROWS = 2
 
 
+# The choices above were measured on the AVX2 EPYC. Where torch reports AVX512 (MKL and oneDNN
+# on 512-bit FMAs) they were measured again (2-core Xeon with AVX-512 and AMX, 2026-12-01, the
+# benchmark's four expert weights, 7 interleaved rounds, GFLOP/s): input gradients g·W run
+# fastest on MKL's sgemm (F.linear on the transposed view) at every size past the kernel's
+# 1–8 rows — 12–24 rows 86–192 against 66–125 for the choices above, 32–128 rows 164–320
+# against 134–302 (Mixtral's wide down projection: 214–313 against 134–227) — and forward
+# products of 9–32 rows on W·xᵀ (24–32 rows 138–263 against 129–217; at 64 rows oneDNN leads,
+# 238–297 against 201–263), so there these two rules replace the ones above.
+_AVX512_W_XT_MAX_ROWS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_on_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """x·wᵀ + b in x's dtype; small float32 CPU products take the fastest measured kernel
     (see above). The result may be a transposed view; with `out` it is written there."""
@@ -177,6 +193,11 @@ def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Ten
         y = _small_gemm.input_grad(x, w, out=out)
         if y is not None:
             return y
+        if _torch_on_avx512():
+            return F.linear(x, w)  # sgemm (see _AVX512_W_XT_MAX_ROWS)
+    if _torch_on_avx512() and rows <= _AVX512_W_XT_MAX_ROWS and w.is_contiguous():
+        y_OM = torch.mm(w, x.t()) if b is None else torch.addmm(b.unsqueeze(1), w, x.t())
+        return y_OM.t()
     if rows <= _SPLIT_INNER_MAX_ROWS and b is None and w.t().is_contiguous() and w.shape[1] % 2 == 0:
         half = w.shape[1] // 2  # g·W on both cores (see _SPLIT_INNER_MAX_ROWS)
         y_2MO = torch.bmm(x.reshape(rows, 2, half).transpose(0, 1), w.t().view(2, half, w.shape[0]))

@@ -29,3 +29,13 @@ def torch_kernels_only(monkeypatch):
     from moe_ffn import _small_gemm
 
     monkeypatch.setattr(_small_gemm, "library", lambda: None)
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def torch_choices(request, monkeypatch):
+    """grouped.py's choices among torch's kernels as made on an AVX2 CPU, then as on an AVX-512
+    one (grouped._torch_on_avx512), whatever this CPU is: both sets compute the same function."""
+    from moe_ffn import grouped
+
+    monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: request.param == "avx512")
+    return request.param

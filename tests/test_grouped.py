@@ -374,9 +374,10 @@ def test_wide_input_gradients_on_sgemm_match_float64(monkeypatch):
 
 def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch, torch_kernels_only):
     """Between grouped._WIDE_W_XT_ROWS (forced to 8–16 rows here) the down projection's input
-    gradient runs as W·gᵀ on the transposed weight view: taken for the 9- and 12-row blocks,
-    not for the 1-row one, and the float64 loop's gradients come out."""
+    gradient runs as W·gᵀ on the transposed weight view on AVX2 CPUs: taken for the 9- and
+    12-row blocks, not for the 1-row one, and the float64 loop's gradients come out."""
     monkeypatch.setattr(grouped, "_WIDE_W_XT_ROWS", (8, 16))
+    monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: False)
     calls = []
     real = torch.mm
     def spy(a, b, *args, **kwargs):
@@ -391,13 +392,41 @@ def test_wide_input_gradients_as_weight_times_gradient_match_float64(monkeypatch
 def test_input_gradients_from_one_or_two_rows_split_the_inner_dim_and_match_float64(monkeypatch, torch_kernels_only):
     """g·W from 1–2 rows (grouped._SPLIT_INNER_MAX_ROWS) runs as a batch of two half products:
     taken for the 1- and 2-row blocks' two input gradients (through W2, then W1), not for the
-    3-row block, and the float64 loop's outputs and gradients come out."""
+    3-row block, and the float64 loop's outputs and gradients come out (the AVX2 CPUs' choice)."""
+    monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: False)
     calls = []
     real = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda a, b, *args, **kw: calls.append(tuple(b.shape)) or real(a, b, *args, **kw))
     _float32_blocks_match_float64(torch.tensor([1, 2, 0, 3]), 64, 96, bias=False)
     # through W2 ([64, 96]): halves of its 64 rows; through W1 ([192, 64]): halves of 192
     assert sorted(calls) == [(2, 32, 96)] * 2 + [(2, 96, 64)] * 2
+
+def test_avx512_choices_input_gradients_on_sgemm_and_small_forwards_as_w_xt(monkeypatch, torch_kernels_only):
+    """On AVX-512 CPUs (grouped._torch_on_avx512, forced here) every input gradient g·W runs as
+    F.linear on the transposed weight view (MKL's sgemm) and forward blocks of up to
+    grouped._AVX512_W_XT_MAX_ROWS rows as W·xᵀ; larger forward blocks do not; the float64
+    loop's outputs and gradients come out."""
+    monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: True)
+    linear_rows, w_xt_rows = [], []
+    real_linear, real_mm = torch.nn.functional.linear, torch.mm
+
+    def linear_spy(x, w, *args, **kwargs):
+        if not w.is_contiguous():
+            linear_rows.append(x.shape[0])
+        return real_linear(x, w, *args, **kwargs)
+
+    def mm_spy(a, b, *args, **kwargs):
+        if a.is_contiguous() and b.stride(0) == 1 and b.shape[1] > 0 and a.shape[1] == b.shape[0] > 1:
+            w_xt_rows.append(b.shape[1])
+        return real_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear_spy)
+    monkeypatch.setattr(torch, "mm", mm_spy)
+    big = grouped._AVX512_W_XT_MAX_ROWS + 1
+    _float32_blocks_match_float64(torch.tensor([1, 9, 0, big]), 64, 96, bias=False)
+    assert sorted(linear_rows) == [1, 1, 9, 9, big, big]  # through W2, then W1, per block
+    assert sorted(w_xt_rows) == [1, 1, 9, 9]  # both forward projections of the small blocks
+
 
 def _float32_blocks_match_float64(counts, D, F, bias):
     torch.manual_seed(11)

@@ -42,14 +42,14 @@ def _every_range(request, monkeypatch):
     "capability, bf16_units, expected",
     [
         ("AVX2", False, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=512)),
-        ("AVX512", False, _small_gemm.Ranges(forward=8, input_grad=16, weight_grad=0, bf16=512)),
-        ("AVX512", True, _small_gemm.Ranges(forward=8, input_grad=16, weight_grad=0, bf16=2)),
+        ("AVX512", False, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=512)),
+        ("AVX512", True, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=2)),
         ("AVX2", True, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=2)),
     ],
 )
 def test_ranges_follow_the_cpu(monkeypatch, capability, bf16_units, expected):
     """The rows the layer hands the kernel: all it was measured ahead in where torch's kernels
-    are AVX2 too; up to 8 forward and 16 input-gradient rows and no weight gradients where they
+    are AVX2 too; up to 8 forward and input-gradient rows and no weight gradients where they
     use AVX-512; bf16 operands in blocks of 1–2 rows only where the CPU multiplies bf16 itself."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(_small_gemm, "cpu_has_bf16_units", lambda: bf16_units)
@@ -529,8 +529,10 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
         torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
 
 
-def test_layer_matches_float64_on_torch_kernels(torch_kernels_only):
-    _layer_against_float64(T=12)
+@pytest.mark.parametrize("T", [12, 80])
+def test_layer_matches_float64_on_torch_kernels(torch_kernels_only, torch_choices, T):
+    """Without the kernel, with grouped.py's AVX2 and its AVX-512 choices among torch's kernels."""
+    _layer_against_float64(T=T)
 
 
 def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
