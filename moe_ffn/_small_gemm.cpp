@@ -761,6 +761,28 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
   return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
 }
 
+// The same product for a decode step's expert blocks in one call: block i, the int64 triple
+// blocks[3i .. 3i+2] = (expert, start, stop), computes y[start:stop] = x[start:stop]·w_eᵀ with
+// expert e's weight at w + e·w_expert (row stride ldw), each block as moe_ffn_linear_f32
+// computes it. The layer's Python loop made one call per block (~12 µs each: 128 a step for
+// 64 experts). Every block is checked before any is computed (-1: y untouched).
+extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t w_expert,
+                                         int64_t ldw, float* y, int64_t ldy, const int64_t* blocks,
+                                         int64_t count, int64_t out_features, int64_t in_features, int threads,
+                                         void* parallel, void* thread_num, void* num_threads) {
+  if (count < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    if (blocks[3 * i] < 0 || blocks[3 * i + 1] < 0 || blocks[3 * i + 2] < blocks[3 * i + 1]) return -1;
+  }
+  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t e = blocks[3 * i], start = blocks[3 * i + 1], stop = blocks[3 * i + 2];
+    linear(x + start * ldx, ldx, w + e * w_expert, ldw, static_cast<const float*>(nullptr), y + start * ldy, ldy,
+           stop - start, out_features, in_features, threads, team);
+  }
+  return 0;
+}
+
 // The same product with every tensor bfloat16 (their bits): x and b are widened to float32
 // first (a few rows, on the calling thread), w is widened as it is loaded (exactly: a bf16 is
 // the top half of the float32 of the same value), the sums run in float32, and each is

@@ -167,6 +167,7 @@ def library() -> Optional[ctypes.CDLL]:
     try:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
+        linear_blocks = lib.moe_ffn_linear_blocks_f32
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         product_bf16b = lib.moe_ffn_product_bf16b
@@ -177,6 +178,8 @@ def library() -> Optional[ctypes.CDLL]:
     for linear in linears:
         linear.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64] + team
         linear.restype = ctypes.c_int
+    linear_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    linear_blocks.restype = ctypes.c_int
     for input_grad in input_grads:
         input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
         input_grad.restype = ctypes.c_int
@@ -284,6 +287,38 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
         out.data_ptr(), out.stride(0), rows, O, I, torch.get_num_threads(), *openmp,
     )
     return status == 0
+
+
+def blocks_fit(blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether `linear_blocks` takes these (expert, start, stop) blocks by their rows: some, and
+    each of 1 to min(MAX_ROWS, this CPU's forward rows)."""
+    most = min(MAX_ROWS, ranges().forward)
+    return bool(blocks) and all(0 < stop - start <= most for _, start, stop in blocks)
+
+
+def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> Optional[Tensor]:
+    """y[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call
+    of the kernel (its loop over the blocks in C++, where the layer's loop in Python cost ~12
+    µs a block), as a new [rows, O] tensor whose rows outside the blocks are left unwritten;
+    None where it does not run: float32 only, every block within this CPU's forward rows
+    (`ranges`) and the unpacked kernel's MAX_ROWS. Each block's sums are the ones
+    `linear_into` forms for it."""
+    if not (blocks_fit(blocks) and x.dtype == w_EOI.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1):
+        return None
+    kernel = _kernel_for((x,), None)
+    if kernel is None:
+        return None
+    lib, openmp = kernel
+    E, O, I = w_EOI.shape
+    if x.shape[1] != I or not all(0 <= e < E and stop <= x.shape[0] for e, _, stop in blocks):
+        raise ValueError(f"linear_blocks: x {tuple(x.shape)}, w {tuple(w_EOI.shape)} and blocks {blocks} do not fit")
+    table = torch.tensor(blocks, dtype=torch.int64)
+    y = x.new_empty(x.shape[0], O)
+    status = lib.moe_ffn_linear_blocks_f32(
+        x.data_ptr(), x.stride(0), w_EOI.data_ptr(), w_EOI.stride(0), w_EOI.stride(1), y.data_ptr(), y.stride(0),
+        table.data_ptr(), len(blocks), O, I, torch.get_num_threads(), *openmp,
+    )
+    return y if status == 0 else None
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:

@@ -717,8 +717,9 @@ def _decode_projection(
     with_bias: bool,
     cdt: torch.dtype,
 ) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
-    """For low-precision CPU calls whose blocks all stay on the native GEMM (decode-sized, see
-    _NATIVE_LOWP_MAX_ROWS): how to run one projection over all blocks at once, as
+    """For CPU calls whose blocks are all decode-sized — float32 ones within what moe_ffn's
+    kernel takes (`_small_gemm.blocks_fit`), low-precision ones that stay on the native GEMM
+    (see _NATIVE_LOWP_MAX_ROWS) — how to run one projection over all blocks at once, as
     `project(x_NI, w_EOI) → y_NO` (rows past the counted ones left unwritten); None elsewhere.
 
     There the GEMMs are reads of the experts' weights, and our per-block Python (~20 µs a
@@ -729,6 +730,14 @@ def _decode_projection(
     2.14–2.48 ms). Otherwise torch's grouped GEMM runs the same per-expert native GEMMs from
     one C++ loop (bf16 Mixtral decode 5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, against the
     per-block loop; measured on the 2-core EPYC)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not with_bias and _small_gemm.available():
+        # float32 blocks the kernel takes, all of them in one call per projection (the loop
+        # over the blocks in C++). Interleaved A/B against the per-block loop on the same
+        # kernel (2-core Xeon, 13 rounds, weights evicted from the cache before each call),
+        # forward T = 1 / 4 / 16: Mixtral 4.17 → 3.99, 10.42 → 9.83, 16.10 → 15.37 ms; fine
+        # 2.94 → 2.81, 7.69 → 6.95, 16.90 → 15.52; forward+backward T = 1 / 16: Mixtral 12.67 /
+        # 12.69, 49.31 → 48.91, fine 8.20 → 7.93, 71.88 → 70.85.
+        return functools.partial(_kernel_blocks, blocks=blocks) if _small_gemm.blocks_fit(blocks) else None
     if not (
         x.device.type == "cpu" and x.dtype == torch.bfloat16 and cdt != x.dtype and not with_bias and blocks
     ):
@@ -751,6 +760,15 @@ def _decode_projection(
     ):
         return functools.partial(_grouped_mm_blocks, offsets_E=counts_E.cumsum(0, dtype=torch.int32))
     return None
+
+
+def _kernel_blocks(x_NI: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> Tensor:
+    y_NO = _small_gemm.linear_blocks(x_NI, w_EOI, blocks)
+    if y_NO is None:  # a layout the kernel does not take: the per-block loop's products
+        y_NO = x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
+        for e, start, stop in blocks:
+            _linear_into(y_NO[start:stop], x_NI[start:stop], w_EOI[e], None, torch.float32)
+    return y_NO
 
 
 def _one_row_blocks(x_NI: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> Tensor:

@@ -505,7 +505,10 @@ def test_grouped_linear_input_gradient_is_differentiable_again():
 def test_inference_forward_reuses_one_group_buffer_for_the_first_projection(monkeypatch, routed):
     """Under no_grad nothing is kept for backward: the first projection goes into one buffer of
     the largest group's rows (3 here: groups of rows [0, 3), [3, 5), [5, 8)), reused group after
-    group, instead of an [N, H] tensor; the output is the training forward's, bit for bit."""
+    group, instead of an [N, H] tensor; the output is the training forward's, bit for bit. (The
+    per-group loop: blocks this small would otherwise go to the kernel's one call for all
+    blocks, grouped._kernel_blocks.)"""
+    monkeypatch.setattr(grouped._small_gemm, "blocks_fit", lambda blocks: False)
     torch.manual_seed(9)
     counts = torch.tensor([2, 1, 0, 2, 3])
     D, F, N = 6, 4, 8

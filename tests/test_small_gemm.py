@@ -473,21 +473,23 @@ def _layer_against_float64(T: int, moe: MoE | None = None, seed: int = 3):
 
 
 def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
+    """Forward blocks of 2–16 rows in one kernel call per projection (linear_blocks), input
+    gradients block by block on the kernel; the float64 per-token loop comes out."""
     _needs_kernel()
     ran = {"linear": 0, "input_grad": 0}
-    linear_into, input_grad = _small_gemm.linear_into, _small_gemm.input_grad
+    linear_blocks, input_grad = _small_gemm.linear_blocks, _small_gemm.input_grad
 
-    def counted_linear(*args):
-        done = linear_into(*args)
-        ran["linear"] += done
-        return done
+    def counted_linear(x, w, blocks):
+        y = linear_blocks(x, w, blocks)
+        ran["linear"] += 0 if y is None else len(blocks)
+        return y
 
     def counted_grad(*args, **kwargs):
         y = input_grad(*args, **kwargs)
         ran["input_grad"] += y is not None
         return y
 
-    monkeypatch.setattr(_small_gemm, "linear_into", counted_linear)
+    monkeypatch.setattr(_small_gemm, "linear_blocks", counted_linear)
     monkeypatch.setattr(_small_gemm, "input_grad", counted_grad)
     _layer_against_float64(T=12)  # 24 assignments over 4 experts: blocks of 2–16 rows
     assert ran["linear"] >= 2 * 3 and ran["input_grad"] >= 2 * 3  # both projections of (almost) every expert
@@ -527,6 +529,48 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
     ref_grads = torch.autograd.grad((ref * g.double()).sum(), leaves)
     for name, a, b in zip(("x", "router", "gate_up_proj", "down_proj"), grads, ref_grads):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("experts", [1, 3, 6])
+def test_linear_blocks_is_linear_into_block_by_block(experts):
+    """One call for every block (repeated experts, gaps between blocks, one-row blocks): each
+    block's rows bit for bit what linear_into computes for it alone, and within the float64
+    bound."""
+    _needs_kernel()
+    torch.manual_seed(experts)
+    E, O, I, N = 4, 37, 29, 40
+    w = torch.randn(E, O + 3, I)[:, 1 : O + 1]  # rows of a wider tensor: a row stride of its own
+    x = _strided(N, I)
+    starts = sorted(torch.randperm(N - 1)[: 2 * experts].tolist())
+    blocks = [(i % E, starts[2 * i], starts[2 * i + 1] + 1) for i in range(experts)]
+    blocks = [b for b in blocks if 0 < b[2] - b[1] <= _small_gemm.MAX_ROWS] + [(E - 1, N - 1, N)]
+    y = _small_gemm.linear_blocks(x, w, blocks)
+    assert y is not None and y.shape == (N, O)
+    for e, start, stop in blocks:
+        one = torch.empty(stop - start, O)
+        assert _small_gemm.linear_into(one, x[start:stop], w[e], None)
+        assert torch.equal(y[start:stop], one)
+        exact = x[start:stop].double() @ w[e].double().T
+        bound = _bound(x[start:stop].double().abs(), w[e].double().abs().T, I)
+        assert bool(((y[start:stop].double() - exact).abs() <= bound).all())
+
+
+def test_linear_blocks_declines_what_it_does_not_take():
+    """None (nothing computed) for: no blocks, a block past MAX_ROWS, an empty block, bf16,
+    a weight whose rows are not contiguous; a ValueError for blocks that do not fit x or w."""
+    _needs_kernel()
+    x, w = torch.randn(80, 16), torch.randn(3, 24, 16)
+    assert _small_gemm.linear_blocks(x, w, []) is None
+    assert _small_gemm.linear_blocks(x, w, [(0, 0, _small_gemm.MAX_ROWS + 1)]) is None
+    assert _small_gemm.linear_blocks(x, w, [(0, 4, 4)]) is None
+    assert _small_gemm.linear_blocks(x.bfloat16(), w.bfloat16(), [(0, 0, 4)]) is None
+    assert _small_gemm.linear_blocks(x, w.transpose(1, 2).contiguous().transpose(1, 2), [(0, 0, 4)]) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.linear_blocks(x, w, [(3, 0, 4)])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.linear_blocks(x, w, [(0, 78, 81)])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.linear_blocks(x[:, :8], w, [(0, 0, 4)])
 
 
 @pytest.mark.parametrize("T", [12, 80])
