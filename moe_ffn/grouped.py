@@ -738,6 +738,24 @@ def _decode_projection(
         # 2.94 → 2.81, 7.69 → 6.95, 16.90 → 15.52; forward+backward T = 1 / 16: Mixtral 12.67 /
         # 12.69, 49.31 → 48.91, fine 8.20 → 7.93, 71.88 → 70.85.
         return functools.partial(_kernel_blocks, blocks=blocks) if _small_gemm.blocks_fit(blocks) else None
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and cdt == x.dtype:
+        # CPUs with bf16 units: blocks of 1–2 rows go to the kernel one by one (_small_gemm's
+        # BF16_UNIT_ROWS), and when some are larger but all decode-sized, torch's grouped GEMM
+        # runs all of them from one C++ loop. Forward, interleaved A/B against the per-block
+        # loop (2-core Xeon with AMX, 11 rounds, weights evicted before each call), T = 16:
+        # Mixtral 12.47 → 11.43 ms, fine 16.03 → 15.61; it lost at T = 1 (3.70 → 4.10) and
+        # T = 2048 (65.1 → 77.5), hence the limits.
+        small = _small_gemm.ranges().bf16
+        if (
+            not with_bias
+            and len(blocks) > 1
+            and all(stop - start <= _NATIVE_LOWP_MAX_ROWS for _, start, stop in blocks)
+            and any(stop - start > small for _, start, stop in blocks)
+            and _cpu_grouped_mm_available()
+            and _grouped_mm_aligned(x, w1_EHD, w2_EDF)
+        ):
+            return functools.partial(_grouped_mm_blocks, offsets_E=counts_E.cumsum(0, dtype=torch.int32))
+        return None
     if not (
         x.device.type == "cpu" and x.dtype == torch.bfloat16 and cdt != x.dtype and not with_bias and blocks
     ):

@@ -278,6 +278,37 @@ def test_bf16_decode_grouped_ffn_zeroes_rows_past_the_counted_ones(monkeypatch, 
     torch.testing.assert_close(y, y_loop, atol=2e-2 * float(y_loop.abs().max()), rtol=0)
 
 
+@pytest.mark.skipif(not grouped._cpu_grouped_mm_available(), reason="torch lacks CPU _grouped_mm")
+def test_bf16_units_decode_runs_on_grouped_mm_when_a_block_outgrows_the_kernel(monkeypatch):
+    """On CPUs with bf16 units (forced here, as is the kernel's 2-row bf16 limit there):
+    decode-sized blocks with one of 3 rows go through one torch._grouped_mm per projection,
+    within bf16 rounding of the float64 loop and of the per-block loop; blocks of at most 2
+    rows each stay off it (the kernel, or the loop, takes them)."""
+    monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: True)
+    limits = grouped._small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=2)
+    monkeypatch.setattr(grouped._small_gemm, "ranges", lambda: limits)
+    x, w1, w2, counts, token, weight = _bf16_decode_case()  # blocks of 2, 0, 3, 1 rows
+    calls = _count_grouped_mm(monkeypatch)
+    with torch.no_grad():
+        out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+        assert len(calls) == 2
+        kept = int(counts.sum())
+        ref = torch.zeros(x.shape, dtype=torch.float64)
+        expert = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
+        for n, e in enumerate(expert[:kept]):
+            t = int(token[n])
+            h = w1[e].double() @ x[t].double()
+            ref[t] += weight[n].double() * (w2[e].double() @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+        assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
+        monkeypatch.setattr(grouped, "_cpu_grouped_mm_available", lambda: False)
+        out_loop = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+        torch.testing.assert_close(out, out_loop, atol=2e-2 * float(ref.abs().max()), rtol=0)
+        monkeypatch.setattr(grouped, "_cpu_grouped_mm_available", lambda: True)
+        small = torch.tensor([2, 0, 2, 1])
+        routed_ffn(x, w1, w2, small, token[:5], weight[:5], activation="silu", gated=True)
+        assert len(calls) == 2  # no more calls
+
+
 def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
     """torch._grouped_mm needs 16-byte strides: D = 12 bf16 elements takes the loop."""
     torch.manual_seed(0)
