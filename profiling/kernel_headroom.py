@@ -5,14 +5,16 @@
 
 What it measures: the products moe_ffn/_small_gemm.cpp computes — an expert's forward
 x·Wᵀ, input gradient g·W and weight gradient gᵀ·x (written over an old one) in float32, and
-with `--dtype bf16` the forward of bf16 weights — on the benchmark's expert weights (profiling/bench.py's
-shapes), for blocks of 1–128 rows, by the kernel and by the torch kernel grouped.py would
-pick without it (`grouped._linear` or `grouped._matmul_into` with the kernel switched off). Each cell runs the product
-for E experts' weights in turn (64 fine-grained, 8 Mixtral: more bytes than the caches hold,
-as in the layer); the two sides alternate round by round, after a warm-up round, and the
-median of the rounds is reported in GFLOP/s. Inside the layer the kernel is used only where
-this table (and the A/B runs quoted in moe_ffn/_small_gemm.py) showed it ahead on a CPU like
-this one: `_small_gemm.ranges()`, which differs between AVX2 and AVX-512 CPUs.
+with `--dtype bf16` the forward of bf16 weights — on the benchmark's expert weights
+(profiling/bench.py's shapes), for blocks of 1–128 rows, by the kernel and by the torch kernel
+grouped.py would pick without it (`grouped._linear` or `grouped._matmul_into` with the kernel
+switched off). Each cell runs the product for E experts' weights in turn (64 fine-grained, 8
+Mixtral: more bytes than the EPYC's caches held, as in the layer; a CPU with a 480 MiB L3, as
+the Xeon this project moved to, keeps them all, so there the table reads cache, not memory);
+the two sides alternate round by round, after a warm-up round, and the median of the rounds
+is reported in GFLOP/s. Inside the layer the kernel is used only where this table (and the
+A/B runs quoted in moe_ffn/_small_gemm.py) showed it ahead on a CPU like this one:
+`_small_gemm.ranges()`, which differs between AVX2 and AVX-512 CPUs.
 """
 
 from __future__ import annotations

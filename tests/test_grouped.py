@@ -215,6 +215,17 @@ def _bf16_decode_case(seed=5):
     return x, w1, w2, counts, token, weight
 
 
+def _bf16_decode_reference(x, w1, w2, counts, token, weight):
+    """The float64 per-row loop of `_bf16_decode_case` (rows past the counted ones dropped)."""
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    expert = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
+    for n, e in enumerate(expert[: int(counts.sum())]):
+        t = int(token[n])
+        h = w1[e].double() @ x[t].double()
+        ref[t] += weight[n].double() * (w2[e].double() @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    return ref
+
+
 def _count_grouped_mm(monkeypatch):
     calls = []
     real = torch._grouped_mm
@@ -248,12 +259,7 @@ def test_bf16_decode_runs_on_grouped_mm_as_the_per_block_loop_does(monkeypatch, 
     loop_grads = torch.autograd.grad((out_loop.float() * g.float()).sum(), loop_leaves)
 
     kept = counts.sum()
-    ref = torch.zeros(x.shape, dtype=torch.float64)
-    expert = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
-    for n, e in enumerate(expert[:kept]):
-        t = int(token[n])
-        h = w1[e].double() @ x[t].double()
-        ref[t] += weight[n].double() * (w2[e].double() @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    ref = _bf16_decode_reference(x, w1, w2, counts, token, weight)
     scale = ref.abs().max()
     assert (out.double() - ref).abs().max() <= 3e-2 * scale
     torch.testing.assert_close(out, out_loop, atol=2e-2 * float(scale), rtol=0)
@@ -292,13 +298,7 @@ def test_bf16_units_decode_runs_on_grouped_mm_when_a_block_outgrows_the_kernel(m
     with torch.no_grad():
         out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
         assert len(calls) == 2
-        kept = int(counts.sum())
-        ref = torch.zeros(x.shape, dtype=torch.float64)
-        expert = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
-        for n, e in enumerate(expert[:kept]):
-            t = int(token[n])
-            h = w1[e].double() @ x[t].double()
-            ref[t] += weight[n].double() * (w2[e].double() @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+        ref = _bf16_decode_reference(x, w1, w2, counts, token, weight)
         assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
         monkeypatch.setattr(grouped, "_cpu_grouped_mm_available", lambda: False)
         out_loop = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
