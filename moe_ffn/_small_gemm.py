@@ -289,10 +289,16 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
     return status == 0
 
 
+# `linear_blocks` takes decode-sized blocks only: where it was measured (T ≤ 16, blocks of 1–8
+# rows), and the layer's path through it (grouped._ffn_forward_decode) holds the whole [N, H]
+# projection and activation at once, where the per-block loop bounds them for inference.
+BLOCKS_MAX_ROWS = 8
+
+
 def blocks_fit(blocks: list[tuple[int, int, int]]) -> bool:
     """Whether `linear_blocks` takes these (expert, start, stop) blocks by their rows: some, and
-    each of 1 to min(MAX_ROWS, this CPU's forward rows)."""
-    most = min(MAX_ROWS, ranges().forward)
+    each of 1 to min(BLOCKS_MAX_ROWS, this CPU's forward rows)."""
+    most = min(BLOCKS_MAX_ROWS, ranges().forward)
     return bool(blocks) and all(0 < stop - start <= most for _, start, stop in blocks)
 
 
@@ -300,9 +306,8 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) 
     """y[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call
     of the kernel (its loop over the blocks in C++, where the layer's loop in Python cost ~12
     µs a block), as a new [rows, O] tensor whose rows outside the blocks are left unwritten;
-    None where it does not run: float32 only, every block within this CPU's forward rows
-    (`ranges`) and the unpacked kernel's MAX_ROWS. Each block's sums are the ones
-    `linear_into` forms for it."""
+    None where it does not run: float32 only, every block within `blocks_fit`. Each block's
+    sums are the ones `linear_into` forms for it."""
     if not (blocks_fit(blocks) and x.dtype == w_EOI.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1):
         return None
     kernel = _kernel_for((x,), None)

@@ -472,27 +472,38 @@ def _layer_against_float64(T: int, moe: MoE | None = None, seed: int = 3):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
 
 
-def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch):
-    """Forward blocks of 2–16 rows in one kernel call per projection (linear_blocks), input
-    gradients block by block on the kernel; the float64 per-token loop comes out."""
+@pytest.mark.parametrize("T, all_at_once", [(4, True), (24, False)])
+def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T, all_at_once):
+    """Forward blocks on the kernel: all in one call per projection (linear_blocks) when every
+    block is decode-sized (T=4: 8 assignments over 4 experts), block by block (linear_into)
+    when one is larger (T=24: blocks of ~12 rows); input gradients block by block; the
+    float64 per-token loop comes out."""
     _needs_kernel()
-    ran = {"linear": 0, "input_grad": 0}
-    linear_blocks, input_grad = _small_gemm.linear_blocks, _small_gemm.input_grad
+    ran = {"blocks": 0, "linear": 0, "input_grad": 0}
+    linear_blocks, linear_into, input_grad = _small_gemm.linear_blocks, _small_gemm.linear_into, _small_gemm.input_grad
 
-    def counted_linear(x, w, blocks):
+    def counted_blocks(x, w, blocks):
         y = linear_blocks(x, w, blocks)
-        ran["linear"] += 0 if y is None else len(blocks)
+        ran["blocks"] += 0 if y is None else len(blocks)
         return y
+
+    def counted_linear(*args):
+        done = linear_into(*args)
+        ran["linear"] += done
+        return done
 
     def counted_grad(*args, **kwargs):
         y = input_grad(*args, **kwargs)
         ran["input_grad"] += y is not None
         return y
 
-    monkeypatch.setattr(_small_gemm, "linear_blocks", counted_linear)
+    monkeypatch.setattr(_small_gemm, "linear_blocks", counted_blocks)
+    monkeypatch.setattr(_small_gemm, "linear_into", counted_linear)
     monkeypatch.setattr(_small_gemm, "input_grad", counted_grad)
-    _layer_against_float64(T=12)  # 24 assignments over 4 experts: blocks of 2–16 rows
-    assert ran["linear"] >= 2 * 3 and ran["input_grad"] >= 2 * 3  # both projections of (almost) every expert
+    _layer_against_float64(T=T)
+    forward = ran["blocks"] if all_at_once else ran["linear"]
+    assert forward >= 2 * 2 and ran["blocks" if not all_at_once else "linear"] == 0
+    assert ran["input_grad"] >= 2 * 2  # both projections of (almost) every expert with 2+ rows
 
 
 def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monkeypatch):
@@ -543,7 +554,7 @@ def test_linear_blocks_is_linear_into_block_by_block(experts):
     x = _strided(N, I)
     starts = sorted(torch.randperm(N - 1)[: 2 * experts].tolist())
     blocks = [(i % E, starts[2 * i], starts[2 * i + 1] + 1) for i in range(experts)]
-    blocks = [b for b in blocks if 0 < b[2] - b[1] <= _small_gemm.MAX_ROWS] + [(E - 1, N - 1, N)]
+    blocks = [b for b in blocks if 0 < b[2] - b[1] <= _small_gemm.BLOCKS_MAX_ROWS] + [(E - 1, N - 1, N)]
     y = _small_gemm.linear_blocks(x, w, blocks)
     assert y is not None and y.shape == (N, O)
     for e, start, stop in blocks:
@@ -556,12 +567,12 @@ def test_linear_blocks_is_linear_into_block_by_block(experts):
 
 
 def test_linear_blocks_declines_what_it_does_not_take():
-    """None (nothing computed) for: no blocks, a block past MAX_ROWS, an empty block, bf16,
+    """None (nothing computed) for: no blocks, a block past BLOCKS_MAX_ROWS, an empty block, bf16,
     a weight whose rows are not contiguous; a ValueError for blocks that do not fit x or w."""
     _needs_kernel()
     x, w = torch.randn(80, 16), torch.randn(3, 24, 16)
     assert _small_gemm.linear_blocks(x, w, []) is None
-    assert _small_gemm.linear_blocks(x, w, [(0, 0, _small_gemm.MAX_ROWS + 1)]) is None
+    assert _small_gemm.linear_blocks(x, w, [(0, 0, _small_gemm.BLOCKS_MAX_ROWS + 1)]) is None
     assert _small_gemm.linear_blocks(x, w, [(0, 4, 4)]) is None
     assert _small_gemm.linear_blocks(x.bfloat16(), w.bfloat16(), [(0, 0, 4)]) is None
     assert _small_gemm.linear_blocks(x, w.transpose(1, 2).contiguous().transpose(1, 2), [(0, 0, 4)]) is None
