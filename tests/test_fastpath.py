@@ -270,15 +270,16 @@ def test_op_count_does_not_grow_with_tokens(kernels, request):
     (From 5 tokens up: blocks of 2–4 rows write their weight gradients as one outer product
     per row, grouped._OUTER_INNER, a bounded number of extra ops, not a loop over tokens.)
     With moe_ffn's own CPU kernel (the default where it is built) blocks run their products
-    there, outside aten, up to the rows _small_gemm.ranges() gives this CPU (8 forward rows on
-    AVX-512 CPUs); the two token counts stay within that range."""
+    there, outside aten, in the rows _small_gemm.ranges() gives this CPU (1–8 forward rows on
+    AVX-512 CPUs), decode-sized forwards in one call for all blocks (up to
+    _small_gemm.BLOCKS_MAX_ROWS rows each); the two token counts stay within those ranges."""
     if kernels == "torch":
         request.getfixturevalue("torch_kernels_only")
     torch.manual_seed(0)
     moe = MoE(dim=D, hidden_dim=F, num_experts=4, top_k=4)
     limits = _small_gemm.ranges()
     counts = []
-    for tokens in (5, 32) if kernels == "torch" else (5, min(16, limits.forward, limits.input_grad)):
+    for tokens in (5, 32) if kernels == "torch" else (5, min(16, limits.forward, limits.input_grad, _small_gemm.BLOCKS_MAX_ROWS)):
         x = torch.randn(tokens, D, requires_grad=True)
         _fwd_bwd(moe, x)
         counts.append(_op_count(lambda: _fwd_bwd(moe, x)))
