@@ -13,6 +13,7 @@ file, and exit status 2 (on every rank).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -155,16 +156,22 @@ def _profile(args: argparse.Namespace) -> int:
             raise _UsageError(f"moe-ffn profile: error: {e}") from None
         try:
             status = _run(prof, args, preset)
-            # Every rank waits here before tearing down. Without it a rank could reach interpreter
-            # exit while a gloo worker thread still held its last all_gather's work: freeing that
-            # work's tensors then takes the GIL of a finalizing interpreter, and the process aborts
-            # ("terminate called without an active exception"; 4 of 20 `--ep 2` launches on a
-            # 2-core Xeon, 0 of 40 with the barrier).
-            dist.barrier()
-            return status
+            dist.barrier()  # every rank done before any tears the group down
         finally:
             if ours:
                 dist.destroy_process_group()
+        if ours:
+            # This process is a rank we set up: it ends here, without the interpreter's
+            # finalization. There a gloo worker thread that still held a finished all_gather's
+            # work (torch's all_gather_object drops its tensors before the worker drops the
+            # work) frees the tensors' Python objects, takes the GIL of a finalizing interpreter,
+            # and the process aborts ("terminate called without an active exception", seen in
+            # 4 of 20 `--ep 2` launches on a 2-core Xeon; a barrier before the teardown made it
+            # rare, not impossible: 1 failed `make test` in 3).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     try:
         prof.check_device(args.device)
     except (ValueError, RuntimeError) as e:
