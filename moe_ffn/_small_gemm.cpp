@@ -50,6 +50,12 @@
 #include <utility>
 #include <vector>
 
+#include "_team.h"
+
+using moe_ffn_team::on_team;
+using moe_ffn_team::share;
+using moe_ffn_team::Team;
+
 namespace {
 
 inline float horizontal_sum(__m256 v) {
@@ -64,43 +70,6 @@ inline __m256i first_lanes(int64_t n) {
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; ++i) lanes[i] = i < n ? -1 : 0;
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-}
-
-// ---- running a body on torch's OpenMP team --------------------------------------------------
-
-using ParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
-using IntFn = int (*)();
-
-struct Team {
-  void* parallel;  // GOMP_parallel, or null
-  IntFn thread_num, num_threads;
-};
-
-template <typename Body>  // Body: void(int64_t thread, int64_t count)
-struct TeamCall {
-  const Body* body;
-  IntFn thread_num, num_threads;
-  static void run(void* arg) {
-    const TeamCall& call = *static_cast<const TeamCall*>(arg);
-    (*call.body)(call.thread_num(), call.num_threads());
-  }
-};
-
-template <typename Body>
-void on_team(const Team& team, int64_t threads, const Body& body) {
-  if (threads <= 1 || !team.parallel || !team.thread_num || !team.num_threads) {
-    body(0, 1);
-    return;
-  }
-  TeamCall<Body> call{&body, team.thread_num, team.num_threads};
-  reinterpret_cast<ParallelFn>(team.parallel)(TeamCall<Body>::run, &call, static_cast<unsigned>(threads), 0);
-}
-
-// Part t of `count` parts of [0, units), in whole multiples of `step` but for the end.
-inline void share(int64_t units, int64_t step, int64_t t, int64_t count, int64_t* first, int64_t* last) {
-  const int64_t steps = (units + step - 1) / step;
-  *first = std::min(units, steps * t / count * step);
-  *last = std::min(units, steps * (t + 1) / count * step);
 }
 
 // ---- forward: y = x·wᵀ (+ b) ----------------------------------------------------------------
@@ -757,7 +726,7 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
                                   float* y, int64_t ldy, int64_t rows, int64_t out_features,
                                   int64_t in_features, int threads, void* parallel, void* thread_num,
                                   void* num_threads) {
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
 }
 
@@ -774,7 +743,7 @@ extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const floa
   for (int64_t i = 0; i < count; ++i) {
     if (blocks[3 * i] < 0 || blocks[3 * i + 1] < 0 || blocks[3 * i + 2] < blocks[3 * i + 1]) return -1;
   }
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t e = blocks[3 * i], start = blocks[3 * i + 1], stop = blocks[3 * i + 2];
     linear(x + start * ldx, ldx, w + e * w_expert, ldw, static_cast<const float*>(nullptr), y + start * ldy, ldy,
@@ -803,7 +772,7 @@ extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < in_features; ++i) x_wide[r * in_features + i] = widen(x[r * ldx + i]);
   for (size_t o = 0; o < b_wide.size(); ++o) b_wide[o] = widen(b[o]);
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return linear(x_wide.data(), in_features, w, ldw, b ? b_wide.data() : nullptr, y, ldy, rows, out_features,
                 in_features, threads, team);
 }
@@ -813,7 +782,7 @@ extern "C" int moe_ffn_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_
 extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* w, int64_t ldw, float* y,
                                       int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
                                       int threads, void* parallel, void* thread_num, void* num_threads) {
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return input_grad(g, ldg, w, ldw, y, ldy, rows, out_features, in_features, threads, team);
 }
 
@@ -822,7 +791,7 @@ extern "C" int moe_ffn_input_grad_f32(const float* g, int64_t ldg, const float* 
 extern "C" int moe_ffn_input_grad_bf16w(const float* g, int64_t ldg, const uint16_t* w, int64_t ldw, float* y,
                                         int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
                                         int threads, void* parallel, void* thread_num, void* num_threads) {
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return input_grad(g, ldg, w, ldw, y, ldy, rows, out_features, in_features, threads, team);
 }
 
@@ -835,7 +804,7 @@ extern "C" int moe_ffn_product_f32(const float* a, int64_t a_step, int64_t a_row
                                    int64_t n, int accumulate, int threads, void* parallel, void* thread_num,
                                    void* num_threads) {
   const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, bias, c, nullptr, ldc, k, m, n};
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return product(p, accumulate != 0, threads, team);
 }
 
@@ -845,7 +814,7 @@ extern "C" int moe_ffn_product_bf16c(const float* a, int64_t a_step, int64_t a_r
                                      int64_t b_col, uint16_t* c, int64_t ldc, int64_t k, int64_t m, int64_t n,
                                      int threads, void* parallel, void* thread_num, void* num_threads) {
   const Product p{a, a_step, a_row, b, b_step, b_col, nullptr, nullptr, nullptr, c, ldc, k, m, n};
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return product(p, false, threads, team);
 }
 
@@ -856,7 +825,7 @@ extern "C" int moe_ffn_product_bf16b(const float* a, int64_t a_step, int64_t a_r
                                      int64_t b_step, int64_t b_col, float* c, int64_t ldc, int64_t k, int64_t m,
                                      int64_t n, int threads, void* parallel, void* thread_num, void* num_threads) {
   const Product p{a, a_step, a_row, nullptr, b_step, b_col, b, nullptr, c, nullptr, ldc, k, m, n};
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return product(p, false, threads, team);
 }
 
@@ -864,7 +833,7 @@ extern "C" int moe_ffn_product_bf16b(const float* a, int64_t a_step, int64_t a_r
 extern "C" int moe_ffn_swiglu_f32(const float* h, int64_t ldh, float* a, int64_t lda, int64_t rows, int64_t features,
                                   int threads, void* parallel, void* thread_num, void* num_threads) {
   const Swiglu p{h, ldh, nullptr, 0, nullptr, a, lda, nullptr, 0, nullptr, features};
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return a ? swiglu(p, rows, threads, team) : -1;
 }
 
@@ -876,6 +845,6 @@ extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const fl
                                            float* dweight, int64_t rows, int64_t features, int threads,
                                            void* parallel, void* thread_num, void* num_threads) {
   const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
-  const Team team{parallel, reinterpret_cast<IntFn>(thread_num), reinterpret_cast<IntFn>(num_threads)};
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return dh && da ? swiglu(p, rows, threads, team) : -1;
 }

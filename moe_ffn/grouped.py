@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_ffn import _memory, _small_gemm
+from moe_ffn import _amx, _memory, _small_gemm
 from moe_ffn.activations import canonical_activation, get_activation
 
 __all__ = ["grouped_linear", "grouped_ffn", "routed_ffn"]
@@ -175,7 +175,12 @@ def _torch_on_avx512() -> bool:
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """x·wᵀ + b in x's dtype; small float32 CPU products take the fastest measured kernel
-    (see above). The result may be a transposed view; with `out` it is written there."""
+    (see above), bf16 input gradients on AMX CPUs our AMX kernel (_amx). The result may be a
+    transposed view; with `out` it is written there."""
+    if b is None and x.dtype == w.dtype == torch.bfloat16 and not w.is_contiguous():  # g·W
+        y = _amx.input_grad(x, w, out=out)
+        if y is not None:
+            return y
     if w.dtype != x.dtype:  # bf16 weights of a float32 product: the kernel reads them as they are
         y = _small_gemm.input_grad(x, w, out=out) if b is None and not w.is_contiguous() else None
         if y is not None:
@@ -277,6 +282,8 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
     """out = x·wᵀ + b, multiplied in `cdt`, rounded into out's dtype once."""
     if cdt == torch.float32 and x.dtype == torch.bfloat16 and _small_gemm.linear_into(out, x, w, b):
         return  # bf16 weights read as they are, multiplied in fp32 (see _small_gemm)
+    if b is None and cdt == x.dtype == torch.bfloat16 and _amx.linear_into(out, x, w):
+        return  # AMX CPUs: the weight read as it is, no per-call reorder (see _amx)
     if cdt != out.dtype and x.shape[0] <= _NATIVE_LOWP_MAX_ROWS:
         cdt = out.dtype  # decode-sized block: native GEMV (see _NATIVE_LOWP_MAX_ROWS)
     if cdt != x.dtype or cdt != w.dtype:
@@ -334,6 +341,8 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
     stays small next to `out` (this is how weight gradients of bf16 experts are written).
     """
     if a.dtype == out.dtype:
+        if out.dtype == torch.bfloat16 and _amx.weight_grad_into(out, a, b, accumulate):
+            return  # AMX CPUs (see _amx); old contents are not read unless accumulating
         if (
             overwrite
             and not accumulate

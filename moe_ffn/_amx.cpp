@@ -1,0 +1,567 @@
+// bfloat16 products of expert blocks on Intel's AMX tile units (Sapphire Rapids and newer):
+//
+//     forward         y[m, o] = sum_i x[m, i] * w[o, i]    (x·wᵀ)      moe_ffn_amx_linear
+//     input gradient  y[m, i] = sum_o g[m, o] * w[o, i]    (g·w)       moe_ffn_amx_input_grad
+//     weight gradient c[r, q] = sum_m a[m, r] * b[m, q]    (aᵀ·b)      moe_ffn_amx_weight_grad
+//
+// with bf16 operands (their bits, uint16_t), float32 sums (TDPBF16PS), and each result stored
+// as float32 or rounded once to bf16 (nearest even, NaN kept, as torch rounds). Called through
+// ctypes by moe_ffn/_small_gemm.py, which says where each is used and why (measured there).
+//
+// Why our own: torch's bf16 GEMMs on these CPUs (oneDNN's AMX kernels) first reorder the whole
+// weight into their blocked layout on every call, which costs as much as the product itself
+// for an expert's block of 16–128 rows. Here the weight is never copied:
+// - forward: the weight's rows are AMX's A operand as they lie in memory (16 rows of w by 32
+//   of its columns per tile, read with w's row stride); the block's rows x are the B operand,
+//   rearranged into AMX's pair layout ("VNNI": B[k/2][n][2]) — a transpose of x in 32-bit units
+//   (x is a few rows; the weight is the bulk of the bytes). The result tiles hold yᵀ and are
+//   transposed as they are stored.
+// - input gradient: g's rows are the A operand as they lie; the weight is the B operand in pair
+//   layout, which interleaves its rows two by two: that is done for one panel of 32 of w's
+//   columns at a time (its whole depth, at most O·64 bytes, kept in L2) and reused for every row
+//   tile of g.
+// - weight gradient: the sum runs over the block's rows, so one operand is transposed (a, into
+//   tile rows of 32 sums' steps) and the other interleaved two rows by two (b); both are a few
+//   rows deep. The caller picks the narrower side as a and can have the result stored
+//   transposed (c [q, r]) so that either layout of the gradient is written row by row.
+// Every product uses four 16×16 float32 accumulator tiles (a 32×32 block of the result), two
+// A and two B tiles: each tile loaded feeds two TDPBF16PS.
+//
+// Numerics: TDPBF16PS multiplies bf16 pairs exactly and adds them into float32 accumulators
+// with round-to-nearest-even, treating denormal inputs as zero and flushing denormal results
+// (as oneDNN's AMX kernels behind torch's bf16 GEMMs on these CPUs do). The order of the sums
+// differs from torch's; tests hold both to float64 bounds.
+//
+// Threads: torch's OpenMP team (_team.h). Each thread configures its tiles on entry and
+// releases them before it leaves.
+//
+// The file is built with the package's AVX2 flags; only the code between push_options and
+// pop_options is compiled for AVX-512 and AMX, and it runs only after moe_ffn_amx_ready() has
+// found the CPU and the kernel able to (CPUID, XCR0, and Linux's per-process permission for
+// the tile data state).
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "_team.h"
+
+using moe_ffn_team::make_team;
+using moe_ffn_team::on_team;
+using moe_ffn_team::share;
+using moe_ffn_team::Team;
+
+namespace {
+
+bool amx_usable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
+  const bool amx = (d & (1u << 22)) && (d & (1u << 24));                           // AMX-BF16, AMX-TILE
+  if (!avx512 || !amx) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const uint64_t xcr0 = (uint64_t{hi} << 32) | lo;
+  if ((xcr0 & 0xE6) != 0xE6) return false;  // SSE, AVX and AVX-512 state enabled by the OS
+  // Linux hands out the 8 KiB tile data state per process, on request (since 5.16).
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool ready() {
+  static const bool usable = amx_usable();
+  return usable;
+}
+
+// Scratch memory of the calling thread, kept from call to call (its packed operands are a few
+// hundred KiB to a few MiB; allocating and faulting them in anew cost as much as a small
+// product). Grown to the largest size asked for, freed when the thread ends. Not zeroed.
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  // `elements` uint16_t, 64-byte aligned, or null where the allocation failed.
+  uint16_t* get(size_t elements) {
+    const size_t bytes = (elements * sizeof(uint16_t) + 63) / 64 * 64 + 64;
+    if (bytes > size_) {
+      std::free(data_);
+      data_ = static_cast<uint16_t*>(std::aligned_alloc(64, bytes));
+      size_ = data_ ? bytes : 0;
+    }
+    return data_;
+  }
+
+ private:
+  uint16_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+uint16_t* scratch(size_t elements) {
+  thread_local Scratch arena;
+  return arena.get(elements);
+}
+
+// Where results go: float32 or bf16 (bits), rows ld elements apart.
+struct Out {
+  void* p;
+  int64_t ld;
+  bool f32;
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Eight tiles of 16 rows × 64 bytes: C(i, j) = tmm(2i + j), A(i) = tmm(4 + i), B(j) = tmm(6 + j).
+void configure_tiles() {
+  TileConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline void compiler_fence() { __asm__ volatile("" ::: "memory"); }  // tile loads/stores are asm
+
+// 16 rows of 16 32-bit units, transposed in registers.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4×4 blocks transposed within each 128-bit lane
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // then the 4×4 matrix of lanes
+    const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+    t[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Two rows of 32 bf16 into pair layout: lo holds (r0[n], r1[n]) for n < 16, hi for n = 16..31.
+inline void interleave(__m512i r0, __m512i r1, __m512i* lo, __m512i* hi) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  *lo = _mm512_permutex2var_epi16(r0, _mm512_load_si512(kLo), r1);
+  *hi = _mm512_permutex2var_epi16(r0, _mm512_load_si512(kHi), r1);
+}
+
+// Up to 32 bf16 of a row (n of them, zeros past), or zeros for a row past the operand's end.
+inline __m512i load_row(const uint16_t* at, int64_t n, bool present) {
+  if (!present) return _mm512_setzero_si512();
+  return n >= 32 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), at);
+}
+
+// 16 float32 rounded to bf16, nearest even, NaN as the quiet NaN 0x7FC0 (torch's rounding).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline __m512 from_bf16(const uint16_t* at) {  // exact: a bf16 is the top half of its float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)at)), 16));
+}
+
+inline void put(const Out& y, int64_t row, int64_t col, __m512 v, bool accumulate) {
+  if (y.f32) {
+    float* at = static_cast<float*>(y.p) + row * y.ld + col;
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(at));
+    _mm512_storeu_ps(at, v);
+  } else {
+    uint16_t* at = static_cast<uint16_t*>(y.p) + row * y.ld + col;
+    if (accumulate) v = _mm512_add_ps(v, from_bf16(at));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), to_bf16(v));
+  }
+}
+
+// A 16×16 float32 tile (64-byte rows) into y at (row0, col0), its first `rows` rows; or, with
+// `transposed`, its columns as rows of y (the tile's first `rows` columns).
+inline void store_tile(const float* tile, const Out& y, int64_t row0, int64_t col0, int64_t rows, bool transposed,
+                       bool accumulate) {
+  if (!transposed) {
+    for (int64_t r = 0; r < rows; ++r) put(y, row0 + r, col0, _mm512_load_ps(tile + 16 * r), accumulate);
+    return;
+  }
+  __m512i v[16];
+  for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(tile + 16 * r);
+  transpose16(v);
+  for (int64_t r = 0; r < rows; ++r) put(y, row0 + r, col0, _mm512_castsi512_ps(v[r]), accumulate);
+}
+
+// One 32×32 block (AT × BT tiles of 16×16) of A·B over `steps` steps of 32 along the sum:
+// A tile i at a + i·a_tile, step s at + s·a_step (rows a_stride bytes apart); B likewise, in
+// pair layout. The accumulators go to tiles[(2i + j)·256].
+struct Operand {
+  const uint16_t* p;
+  int64_t stride;  // bytes between a tile's rows
+  int64_t tile;    // elements between tiles i (or j)
+  int64_t step;    // elements between steps of 32 along the sum
+};
+
+template <int AT, int BT>
+void block(const Operand& a, const Operand& b, int64_t steps, const float* init, float* tiles) {
+  if (init) {  // partial sums of earlier steps, laid out as `tiles`
+    _tile_loadd(0, init, 64);
+    if (BT > 1) _tile_loadd(1, init + 256, 64);
+    if (AT > 1) _tile_loadd(2, init + 512, 64);
+    if (AT > 1 && BT > 1) _tile_loadd(3, init + 768, 64);
+  } else {
+    _tile_zero(0);
+    if (BT > 1) _tile_zero(1);
+    if (AT > 1) _tile_zero(2);
+    if (AT > 1 && BT > 1) _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, b.p + s * b.step, b.stride);
+    if (BT > 1) _tile_loadd(7, b.p + b.tile + s * b.step, b.stride);
+    _tile_loadd(4, a.p + s * a.step, a.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (BT > 1) _tile_dpbf16ps(1, 4, 7);
+    if (AT > 1) {
+      _tile_loadd(5, a.p + a.tile + s * a.step, a.stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (BT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, tiles, 64);
+  if (BT > 1) _tile_stored(1, tiles + 256, 64);
+  if (AT > 1) _tile_stored(2, tiles + 512, 64);
+  if (AT > 1 && BT > 1) _tile_stored(3, tiles + 768, 64);
+  compiler_fence();
+}
+
+void run_block(int at, int bt, const Operand& a, const Operand& b, int64_t steps, float* tiles,
+               const float* init = nullptr) {
+  compiler_fence();
+  if (at == 2 && bt == 2) block<2, 2>(a, b, steps, init, tiles);
+  else if (at == 2) block<2, 1>(a, b, steps, init, tiles);
+  else if (bt == 2) block<1, 2>(a, b, steps, init, tiles);
+  else block<1, 1>(a, b, steps, init, tiles);
+}
+
+// x [rows, I] as the B operand: per block of 16 rows, I/2 pair rows of 16 units (x's 32-bit
+// units transposed), rows past `rows` zero. blocks·I·16 elements.
+void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t in_features, int64_t b0, int64_t b1,
+                          uint16_t* dst) {
+  const int64_t units = in_features / 2;
+  for (int64_t mb = b0; mb < b1; ++mb)
+    for (int64_t u0 = 0; u0 < units; u0 += 16) {
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) {
+        const int64_t m = mb * 16 + r;
+        v[r] = m < rows ? _mm512_loadu_si512(x + m * ldx + 2 * u0) : _mm512_setzero_si512();
+      }
+      transpose16(v);
+      uint16_t* at = dst + (mb * units + u0) * 32;
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(at + 32 * j, v[j]);
+    }
+}
+
+int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
+           int64_t out_features, int64_t in_features, int threads, const Team& team) {
+  if (!ready() || rows < 1 || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 ||
+      threads < 1)
+    return -1;
+  const int64_t blocks = (rows + 15) / 16;
+  uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
+  if (!xp) return -1;
+  on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
+    int64_t b0, b1;
+    share(blocks, 1, t, n, &b0, &b1);
+    pack_rows_transposed(x, ldx, rows, in_features, b0, b1, xp);
+  });
+  const int64_t o_tiles = out_features / 16, steps = in_features / 32;
+  on_team(team, std::min<int64_t>(threads, (o_tiles + 1) / 2), [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(o_tiles, 2, t, n, &first, &last);
+    if (first >= last) return;
+    configure_tiles();
+    alignas(64) float tiles[1024];
+    for (int64_t ot = first; ot < last; ot += 2) {
+      const int at = static_cast<int>(std::min<int64_t>(2, last - ot));
+      const Operand a{w + ot * 16 * ldw, ldw * 2, 16 * ldw, 32};
+      for (int64_t mb = 0; mb < blocks; mb += 2) {
+        const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
+        const Operand b{xp + mb * in_features * 16, 64, in_features * 16, 512};
+        run_block(at, bt, a, b, steps, tiles);
+        for (int i = 0; i < at; ++i)
+          for (int j = 0; j < bt; ++j) {
+            const int64_t m0 = (mb + j) * 16;
+            store_tile(tiles + (2 * i + j) * 256, y, m0, (ot + i) * 16, std::min<int64_t>(16, rows - m0), true, false);
+          }
+      }
+    }
+    _tile_release();
+  });
+  return 0;
+}
+
+// Rows k0..k0+16 of w's columns c0..c0+cols into pair layout: for each group of 32 columns,
+// 8 pair rows of 64 elements at dst + group·group_stride. The 16 rows are read by one tile
+// load (16 cache lines in flight; two rows at a time with vector loads read w at half the rate)
+// and interleaved from L1.
+inline void pack_pairs_16(const uint16_t* w, int64_t ldw, int64_t c0, int64_t cols, uint16_t* dst,
+                          int64_t group_stride) {
+  alignas(64) uint16_t rows16[16 * 32];
+  for (int64_t c = 0; c < cols; c += 32) {
+    _tile_loadd(4, w + c0 + c, ldw * 2);  // (a last group of 16 columns reads 16 past them: still within w's rows)
+    _tile_stored(4, rows16, 64);
+    compiler_fence();
+    uint16_t* at = dst + (c / 32) * group_stride;
+    for (int p = 0; p < 8; ++p) {
+      __m512i lo, hi;
+      interleave(_mm512_load_si512(rows16 + 64 * p), _mm512_load_si512(rows16 + 64 * p + 32), &lo, &hi);
+      _mm512_store_si512(at + 64 * p, lo);
+      if (cols - c > 16) _mm512_store_si512(at + 64 * p + 32, hi);
+    }
+  }
+}
+
+int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
+               int64_t out_features, int64_t in_features, int threads, const Team& team) {
+  if (!ready() || rows < 1 || out_features < 32 || out_features % 32 || in_features < 32 || in_features % 32 ||
+      threads < 1)
+    return -1;
+  const int64_t blocks = (rows + 15) / 16, pairs = (blocks + 1) / 2;
+  // w in chunks of its depth: a chunk's rows over this thread's columns, interleaved into
+  // groups of 32 columns, each used by every row tile of g; chunks sized so that one and g's
+  // part stay in L2 (partial sums in `sums` between chunks). A group's part is one cache line
+  // longer than its rows: at a multiple of 4 KiB apart, the groups' rows would fall into one
+  // L1 set while they are written.
+  const int64_t n_tiles = in_features / 16;
+  const int64_t count = std::min<int64_t>(threads, n_tiles / 2);
+  const int64_t most_cols = ((n_tiles + count - 1) / count + 1) / 2 * 32;  // a thread's columns, at most
+  constexpr int64_t kBudget = int64_t{1} << 19;                             // bytes of each
+  const int64_t chunk = std::min(
+      out_features, std::max<int64_t>(32, std::min(kBudget / (2 * most_cols), kBudget / (2 * rows)) / 32 * 32));
+  const int64_t groups = most_cols / 32, group_stride = chunk * 32 + 32;
+  const int64_t per_thread = groups * group_stride + groups * pairs * 2048;  // panel, float sums
+  // g's rows are the A operand as they are; a last block of fewer than 16 rows is copied with
+  // zero rows under it (tile loads read 16 rows)
+  const int64_t full = rows / 16 * 16, tail_elements = rows > full ? 16 * out_features : 0;
+  uint16_t* memory = scratch(static_cast<size_t>(tail_elements + count * per_thread));
+  if (!memory) return -1;
+  uint16_t* tail = memory + count * per_thread;
+  if (tail_elements) {
+    std::memset(tail, 0, tail_elements * sizeof(uint16_t));
+    for (int64_t m = full; m < rows; ++m) std::memcpy(tail + (m - full) * out_features, g + m * ldg, out_features * 2);
+  }
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(n_tiles, 2, t, n, &first, &last);
+    if (first >= last) return;
+    const int64_t col0 = first * 16, cols = (last - first) * 16;
+    uint16_t* panel = memory + per_thread * t;                          // [groups][chunk/2][32][2]
+    float* sums = reinterpret_cast<float*>(panel + groups * group_stride);  // [groups][pairs][1024]
+    configure_tiles();
+    alignas(64) float tiles[1024];
+    for (int64_t k0 = 0; k0 < out_features; k0 += chunk) {
+      const int64_t k1 = std::min(out_features, k0 + chunk), steps = (k1 - k0) / 32;
+      const bool first_chunk = k0 == 0, last_chunk = k1 == out_features;
+      for (int64_t row = k0; row < k1; row += 16)
+        pack_pairs_16(w + row * ldw, ldw, col0, cols, panel + (row - k0) * 32, group_stride);
+      compiler_fence();
+      for (int64_t c = 0; c < cols; c += 32) {
+        const int bt = static_cast<int>(std::min<int64_t>(2, (cols - c) / 16));
+        const Operand b{panel + (c / 32) * group_stride, 128, 32, 1024};
+        for (int64_t mb = 0; mb < blocks; mb += 2) {
+          const int at = static_cast<int>(std::min<int64_t>(2, blocks - mb));
+          const int64_t m0 = mb * 16;
+          float* partial = sums + ((c / 32) * pairs + mb / 2) * 1024;
+          float* out = last_chunk ? tiles : partial;
+          const float* init = first_chunk ? nullptr : partial;
+          // rows of the copied tail block come from `tail` (only ever the last block)
+          const bool last_in_tail = m0 + 16 * at > full;
+          const Operand a{g + m0 * ldg + k0, ldg * 2, 16 * ldg, 32};
+          const Operand a_tail{tail + k0, out_features * 2, 0, 32};
+          if (last_in_tail && at == 1) {
+            run_block(1, bt, a_tail, b, steps, out, init);
+          } else if (last_in_tail) {  // first tile from g, second from the tail copy
+            alignas(64) float second[512];
+            run_block(1, bt, a, b, steps, out, init);
+            run_block(1, bt, a_tail, b, steps, second, init ? init + 512 : nullptr);
+            std::memcpy(out + 512, second, sizeof second);
+          } else {
+            run_block(at, bt, a, b, steps, out, init);
+          }
+          if (!last_chunk) continue;
+          for (int i = 0; i < at; ++i)
+            for (int j = 0; j < bt; ++j) {
+              const int64_t r0 = m0 + 16 * i;
+              store_tile(tiles + (2 * i + j) * 256, y, r0, col0 + c + 16 * j, std::min<int64_t>(16, rows - r0), false,
+                         false);
+            }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return 0;
+}
+
+// a [rows, R] into at [R, depth]: row r holds a[0:rows, r] with zeros to depth (a multiple of
+// 32); rows of a taken two by two (pairs of the sum's steps) and transposed in 32-bit units.
+void pack_transposed(const uint16_t* a, int64_t lda, int64_t rows, int64_t r0, int64_t r1, int64_t depth,
+                     uint16_t* at) {
+  for (int64_t c = r0; c < r1; c += 16)  // 16 columns of a at a time
+    for (int64_t k0 = 0; k0 < depth; k0 += 32) {
+      __m512i v[16];
+      for (int p = 0; p < 16; ++p) {
+        const int64_t k = k0 + 2 * p;
+        const __m512i even = k < rows ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + k * lda + c)))
+                                      : _mm512_setzero_si512();
+        const __m512i odd = k + 1 < rows
+                                ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + (k + 1) * lda + c)))
+                                : _mm512_setzero_si512();
+        __m512i hi;
+        interleave(even, odd, &v[p], &hi);  // v[p]: 16 units (a[k, c + j], a[k + 1, c + j])
+      }
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(at + (c + j) * depth + k0, v[j]);
+    }
+}
+
+// b [rows, Q] into pair layout bv [depth/2][Q][2], rows past `rows` zero; pair rows p0..p1.
+void pack_pairs(const uint16_t* b, int64_t ldb, int64_t rows, int64_t cols, int64_t p0, int64_t p1, uint16_t* bv) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t q = 0; q < cols; q += 32) {
+      const int64_t n = std::min<int64_t>(32, cols - q);
+      __m512i lo, hi;
+      interleave(load_row(b + 2 * p * ldb + q, n, 2 * p < rows), load_row(b + (2 * p + 1) * ldb + q, n, 2 * p + 1 < rows),
+                 &lo, &hi);
+      _mm512_storeu_si512(bv + (p * cols + q) * 2, lo);
+      if (n > 16) _mm512_storeu_si512(bv + (p * cols + q) * 2 + 32, hi);
+    }
+}
+
+// A bf16 c of at least this many elements is written with streaming stores (whole 64-byte
+// lines, past the caches): a weight gradient written once and read only by the optimizer.
+// 7168×1024 from 16 / 64 / 256 rows, 8 gradients in turn: 139 → 315, 516 → 991, 1596 → 1797
+// GFLOP/s; at 2^19 elements (1024×512) it lost (275 → 246 at 16 rows).
+constexpr int64_t kStreamElements = int64_t{1} << 21;
+
+int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, const Out& c, int64_t rows,
+                int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
+  if (!ready() || rows < 1 || r_count < 16 || r_count % 16 || q_count < 32 || q_count % 32 || threads < 1) return -1;
+  const int64_t depth = (rows + 31) / 32 * 32;
+  uint16_t* at = scratch(static_cast<size_t>(r_count * depth + depth * q_count));
+  if (!at) return -1;
+  uint16_t* bv = at + r_count * depth;
+  const int64_t r_tiles = r_count / 16, steps = depth / 32;
+  const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(r_tiles, 1, t, n, &first, &last);
+    pack_transposed(a, lda, rows, first * 16, last * 16, depth, at);
+    share(depth / 2, 1, t, n, &first, &last);
+    pack_pairs(b, ldb, rows, q_count, first, last, bv);
+  });
+  const bool stream = !c.f32 && !accumulate && r_count * q_count >= kStreamElements &&
+                      reinterpret_cast<uintptr_t>(c.p) % 64 == 0 && c.ld % 32 == 0;
+  const int64_t q_tiles = q_count / 16;
+  const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (depth * 2 * 16) / 2 * 2);
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(r_tiles, 2, t, n, &first, &last);
+    if (first >= last) return;
+    configure_tiles();
+    alignas(64) float tiles[1024];
+    // b's columns in chunks whose packed part stays in L2 while every row tile of a passes
+    for (int64_t q0 = 0; q0 < q_tiles; q0 += chunk_tiles)
+    for (int64_t rt = first; rt < last; rt += 2) {
+      const int ta = static_cast<int>(std::min<int64_t>(2, last - rt));
+      const Operand oa{at + rt * 16 * depth, depth * 2, 16 * depth, 32};
+      for (int64_t qt = q0; qt < std::min(q_tiles, q0 + chunk_tiles); qt += 2) {
+        const Operand ob{bv + qt * 16 * 2, q_count * 4, 32, 32 * q_count};
+        run_block(ta, 2, oa, ob, steps, tiles);
+        for (int i = 0; i < ta; ++i) {
+          const int64_t r0 = (rt + i) * 16, q0 = qt * 16;
+          if (!stream) {
+            store_tile(tiles + (2 * i) * 256, c, r0, q0, 16, false, accumulate);
+            store_tile(tiles + (2 * i + 1) * 256, c, r0, q0 + 16, 16, false, accumulate);
+            continue;
+          }
+          for (int r = 0; r < 16; ++r) {  // the two tiles' row r: one 64-byte line of c
+            const __m256i lo = to_bf16(_mm512_load_ps(tiles + (2 * i) * 256 + 16 * r));
+            const __m256i hi = to_bf16(_mm512_load_ps(tiles + (2 * i + 1) * 256 + 16 * r));
+            uint16_t* line = static_cast<uint16_t*>(c.p) + (r0 + r) * c.ld + q0;
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(line), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+          }
+        }
+      }
+    }
+    if (stream) _mm_sfence();
+    _tile_release();
+  });
+  return 0;
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// 1 where the products below run on this CPU (AVX-512 and AMX-BF16, enabled by the OS, and
+// the tile state granted to this process), else 0 (then every entry point returns -1).
+extern "C" int moe_ffn_amx_ready() { return ready() ? 1 : 0; }
+
+// y = x·wᵀ for bf16 x [rows, I] and w [O, I] (row strides ldx, ldw in elements, last dims
+// contiguous) into y [rows, O] (ldy), float32 (y_f32) or bf16 rounded once. I a multiple of
+// 32, O of 16. Returns 0, or -1 for arguments it does not take (y untouched).
+extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, void* y, int64_t ldy,
+                                  int y_f32, int64_t rows, int64_t out_features, int64_t in_features, int threads,
+                                  void* parallel, void* thread_num, void* num_threads) {
+  return linear(x, ldx, w, ldw, Out{y, ldy, y_f32 != 0}, rows, out_features, in_features, threads,
+                make_team(parallel, thread_num, num_threads));
+}
+
+// y = g·w for bf16 g [rows, O] and w [O, I] into y [rows, I]; O and I multiples of 32.
+extern "C" int moe_ffn_amx_input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, void* y,
+                                      int64_t ldy, int y_f32, int64_t rows, int64_t out_features, int64_t in_features,
+                                      int threads, void* parallel, void* thread_num, void* num_threads) {
+  return input_grad(g, ldg, w, ldw, Out{y, ldy, y_f32 != 0}, rows, out_features, in_features, threads,
+                    make_team(parallel, thread_num, num_threads));
+}
+
+// c = aᵀ·b for bf16 a [rows, R] and b [rows, Q] into c [R, Q] (ldc); c += with `accumulate`
+// (a bf16 c then rounded again). R a multiple of 16, Q of 32.
+extern "C" int moe_ffn_amx_weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, void* c,
+                                       int64_t ldc, int c_f32, int64_t rows, int64_t r_count, int64_t q_count,
+                                       int accumulate, int threads, void* parallel, void* thread_num,
+                                       void* num_threads) {
+  return weight_grad(a, lda, b, ldb, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0, threads,
+                     make_team(parallel, thread_num, num_threads));
+}

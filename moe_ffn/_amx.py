@@ -1,0 +1,161 @@
+"""bf16 products of expert blocks on AMX tile units: our own kernel (_amx.cpp).
+
+Why: on CPUs with AMX (Intel Xeon from Sapphire Rapids) torch's bf16 GEMMs run on oneDNN's
+AMX kernels, which first reorder the whole weight into a blocked layout on every call; for an
+expert's block of a few to a few hundred rows that reorder costs about as much as the product.
+The kernel reads the weight as it lies (the forward) or interleaves it a cache-sized chunk at
+a time (the input gradient), and rearranges only the block's rows. Measured on the 2-core
+Xeon (AVX-512, AMX; `profiling/kernel_headroom.py --dtype bf16`-style runs, the benchmark's
+four expert weights, 8 of each in turn, 15 interleaved rounds, medians, 2026-12-01), GFLOP/s
+torch's bf16 GEMM → this kernel:
+
+    forward          1–2 rows 17–59 → 29–89, 16 rows 262–444 → 477–756, 64 rows 667–889 →
+                     1055–1754, 128 rows 1004–1337 → 1133–1888, 192 rows 1159–1574 →
+                     1231–1717; 256 rows level (1309–1828 → 1336–1741)
+    input gradient   1–2 rows 11–41 → 17–64, 16 rows 282–308 → 289–489, 64 rows 771–961 →
+                     905–1120, 128 rows 1219–1327 → 1283–1496; 192–256 rows level or behind
+                     (1024×3584: 1492–1628 → 1313–1320)
+    weight gradient  16 rows 165–215 → 226–295, 64 rows 554–709 → 866–1006, 256 rows
+                     1144–1491 → 1558–1761, 512 rows 1519–1697 → 1872–2147; 1024 rows mixed
+                     (1236–1753 against 1302–1534)
+
+hence the row limits below. Large bf16 weight gradients (≥ 2^21 elements) are written with
+streaming stores (_amx.cpp's kStreamElements says why).
+
+Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
+bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every
+tensor is a bf16 CPU tensor with contiguous rows and the shapes fit the tiles (the weight's
+dims multiples of 32, or 16 for the forward's out-features). Everything else stays on torch's
+kernels (or `_small_gemm`'s). Numerics: float32 sums of exact bf16 products (in another order
+than oneDNN's; denormal inputs flushed as AMX does, as oneDNN's AMX kernels do), each result
+rounded to bf16 once, to nearest even as torch rounds.
+
+Memory: each calling thread keeps its largest scratch buffer (the packed rows of a block, a
+chunk of an interleaved weight: up to a few MiB) from call to call, freed when the thread ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from moe_ffn import _small_gemm
+
+FORWARD_MAX_ROWS = 192
+INPUT_GRAD_MAX_ROWS = 128
+WEIGHT_GRAD_MAX_ROWS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_points():
+    """The library's AMX entry points with their argument types, or None: the library not built
+    or switched off (`_small_gemm.library`), or built without the AMX part."""
+    import ctypes
+
+    lib = _small_gemm.library()
+    if lib is None:
+        return None
+    try:
+        ready, linear = lib.moe_ffn_amx_ready, lib.moe_ffn_amx_linear
+        input_grad, weight_grad = lib.moe_ffn_amx_input_grad, lib.moe_ffn_amx_weight_grad
+    except AttributeError:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    team = [c_int] + [ptr] * 3
+    ready.argtypes, ready.restype = [], c_int
+    for fn in (linear, input_grad):
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64] + team
+        fn.restype = c_int
+    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, c_int] + team
+    weight_grad.restype = c_int
+    return ready, linear, input_grad, weight_grad
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel runs here: built, torch on a libgomp team, and the CPU and OS able to
+    (AVX-512, AMX-BF16, the tile state granted to this process: moe_ffn_amx_ready)."""
+    points = _entry_points()
+    return points is not None and _small_gemm.torch_openmp() is not None and points[0]() == 1
+
+
+def _bf16(*tensors: Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _openmp(inputs: tuple[Tensor, ...], out: Optional[Tensor]):
+    """torch's OpenMP entry points where the kernel may take these tensors, else None."""
+    if not available():
+        return None
+    kernel = _small_gemm._kernel_for(inputs, out)
+    return None if kernel is None else kernel[1]
+
+
+def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
+    """out = x·wᵀ (bf16 x [rows, I], w [O, I], out [rows, O]) by the kernel; returns whether it
+    ran (when False, `out` is untouched and the caller uses torch)."""
+    rows, (O, I) = x.shape[0], w.shape
+    if not (_bf16(x, w, out) and 0 < rows <= FORWARD_MAX_ROWS and O % 16 == 0 and I % 32 == 0 and I > 0 and O > 0):
+        return False
+    openmp = _openmp((x, w), out)
+    if openmp is None:
+        return False
+    if x.shape[1] != I or out.shape != (rows, O):
+        raise ValueError(f"amx.linear_into: x {tuple(x.shape)}, w {tuple(w.shape)} and out {tuple(out.shape)} do not fit")
+    status = _entry_points()[1](
+        x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), out.stride(0), 0,
+        rows, O, I, torch.get_num_threads(), *openmp,
+    )
+    return status == 0
+
+
+def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
+    """g·w_t for w_t = w.t() (bf16 g [rows, O], w [O, I] with contiguous rows) by the kernel,
+    into `out` [rows, I] or a new tensor; None where it does not run (`out` untouched)."""
+    w = w_t.t()
+    rows, (O, I) = g.shape[0], w.shape
+    if not (
+        _bf16(g, w) and (out is None or _bf16(out))
+        and 0 < rows <= INPUT_GRAD_MAX_ROWS and O % 32 == 0 and I % 32 == 0 and O > 0 and I > 0
+    ):
+        return None
+    openmp = _openmp((g, w), out)
+    if openmp is None:
+        return None
+    if g.shape[1] != O or (out is not None and out.shape != (rows, I)):
+        raise ValueError(
+            f"amx.input_grad: g {tuple(g.shape)}, w {tuple(w.shape)} and out "
+            f"{None if out is None else tuple(out.shape)} do not fit"
+        )
+    y = g.new_empty(rows, I) if out is None else out
+    status = _entry_points()[2](
+        g.data_ptr(), g.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0), 0,
+        rows, O, I, torch.get_num_threads(), *openmp,
+    )
+    return y if status == 0 else None
+
+
+def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = False) -> bool:
+    """out = a_t·b (out += a_t·b with `accumulate`, rounded to bf16 again) for a_t = a.t()
+    (bf16 a [k, m] with contiguous rows: an output gradient's block of k rows) and b [k, n] (the
+    input's rows), out [m, n]; returns whether it ran (when False, `out` is untouched). `out`'s
+    old contents are not read unless accumulating."""
+    a = a_t.t()
+    k, m, n = a.shape[0], a.shape[1], b.shape[1]
+    if not (_bf16(a, b, out) and 0 < k <= WEIGHT_GRAD_MAX_ROWS and m % 16 == 0 and n % 32 == 0 and m > 0 and n > 0):
+        return False
+    openmp = _openmp((a, b), out)
+    if openmp is None:
+        return False
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(
+            f"amx.weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
+        )
+    status = _entry_points()[3](
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), 0,
+        k, m, n, int(accumulate), torch.get_num_threads(), *openmp,
+    )
+    return status == 0

@@ -1,0 +1,235 @@
+"""moe_ffn's bf16 kernel for AMX tile units (moe_ffn/_amx.{cpp,py}) against float64 products,
+and a bf16 layer on it against the float64 per-token loop. The kernel runs only on CPUs with
+AMX (and AVX-512); elsewhere its tests skip, and test_amx_runs_where_the_cpu_has_it says
+whether it must run here."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_ffn import MoE, _amx, _small_gemm, grouped
+from reference import moe_forward
+
+U32 = 2.0**-24  # float32 unit roundoff (the kernel's sums)
+U16 = 2.0**-8  # bf16's (each result rounded once)
+bf16 = torch.bfloat16
+
+
+def _needs_amx():
+    if not _amx.available():
+        pytest.skip("no AMX kernel here: the CPU lacks AMX/AVX-512, or the kernel is not built or switched off")
+
+
+def test_amx_runs_where_the_cpu_has_it():
+    """Where torch reports AMX tiles and AVX-512 and the library is built, the kernel must run:
+    a refusal of the tile state or a build without the AMX part must not pass unnoticed."""
+    if not (torch.cpu._is_amx_tile_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+        pytest.skip("this CPU has no AMX (as torch reports it)")
+    if _small_gemm.library() is None or _small_gemm.torch_openmp() is None:
+        pytest.skip("the kernel library is not built or cannot run here (test_small_gemm says why)")
+    assert _amx.available()
+
+
+def _strided(rows: int, cols: int) -> torch.Tensor:
+    """A bf16 [rows, cols] view whose rows are further apart than cols (a slice of a wider tensor)."""
+    return torch.randn(rows + 2, cols + 40, dtype=bf16)[1 : rows + 1, 8 : cols + 8]
+
+
+def _within_bf16_of(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n: int, init=None) -> bool:
+    """|got − a·b (+ init)| within one bf16 rounding of the result plus the float32 sum's worst
+    case γ_n·Σ|a||b| (any order of n float32 additions)."""
+    exact = a.double() @ b.double() + (0 if init is None else init.double())
+    sum_error = (n + 2) * U32 * (a.double().abs() @ b.double().abs())
+    if init is not None:
+        sum_error = sum_error + (n + 2) * U32 * init.double().abs()
+    return bool(((got.double() - exact).abs() <= U16 * (exact.abs() + sum_error) + sum_error).all())
+
+
+def _margins(rows: int, cols: int):
+    """(out, wide): out a [rows, cols] bf16 slice of `wide`, whose other columns hold NaN."""
+    wide = torch.full((rows, cols + 48), float("nan"), dtype=bf16)
+    return wide[:, 16 : cols + 16], wide
+
+
+def _untouched(wide: torch.Tensor, cols: int) -> bool:
+    return bool(wide[:, :16].isnan().all() and wide[:, cols + 16 :].isnan().all())
+
+
+# rows: one tile's, partial tiles, pairs of tiles and a lone one past them, the limits
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 100, _amx.FORWARD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 96), (272, 512), (1024, 160)])
+def test_forward_matches_float64(rows, shape):
+    _needs_amx()
+    O, I = shape
+    x, w = _strided(rows, I), _strided(O, I)
+    out, wide = _margins(rows, O)
+    assert _amx.linear_into(out, x, w)
+    assert _within_bf16_of(out, x, w.t(), I)
+    assert _untouched(wide, O)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (2048, 2048)])
+def test_input_grad_matches_float64(rows, shape):
+    """(2048, 2048): w's depth in chunks (partial sums carried from chunk to chunk)."""
+    _needs_amx()
+    O, I = shape
+    g, w = _strided(rows, O), _strided(O, I)
+    out, wide = _margins(rows, I)
+    y = _amx.input_grad(g, w.t(), out=out)
+    assert y is not None and y.data_ptr() == out.data_ptr()
+    assert _within_bf16_of(out, g, w, O)
+    assert _untouched(wide, I)
+    fresh = _amx.input_grad(g, w.t())  # into a new tensor: the same bits
+    assert fresh is not None and torch.equal(fresh.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 100, 500, _amx.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (272, 160), (2048, 1024)])
+def test_weight_grad_matches_float64(rows, shape):
+    """aᵀ·b over `rows` steps; (2048, 1024): past 2^21 elements, stored with streaming stores,
+    and from 500 rows b's columns in chunks."""
+    _needs_amx()
+    m, n = shape
+    a, b = _strided(rows, m), _strided(rows, n)
+    out, wide = _margins(m, n)
+    assert _amx.weight_grad_into(out, a.t(), b)
+    assert _within_bf16_of(out, a.t(), b, rows)
+    assert _untouched(wide, n)
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (2048, 1024)])
+def test_weight_grad_accumulates_onto_what_out_holds(shape):
+    """out += aᵀ·b: the float32 sum added to out's bf16 values, rounded once more (never streamed)."""
+    _needs_amx()
+    m, n = shape
+    a, b = _strided(40, m), _strided(40, n)
+    init = torch.randn(m, n, dtype=bf16)
+    out = init.clone()
+    assert _amx.weight_grad_into(out, a.t(), b, accumulate=True)
+    assert _within_bf16_of(out, a.t(), b, 40, init=init)
+
+
+def test_results_round_to_nearest_even_as_torch_does():
+    """Each float32 sum rounded to bf16 as torch rounds: sums exact in float32 that land on ties
+    (to even, up and down), just off them, on infinity and NaN, for the forward and (the same
+    sums over the rows) the weight gradient."""
+    _needs_amx()
+    t = 2.0**-8  # half a bf16 unit at 1: 1 + t lies halfway between 1 and 1 + 2^-7
+    x = torch.zeros(1, 32)
+    x[0, :3] = torch.tensor([1.0, t, t * t])
+    rows_of_w = [
+        [1.0, 1.0, 0.0],  # 1 + t: a tie, to the even 1
+        [1.0 + 2 * t, 1.0, 0.0],  # 1 + 3t: a tie, to the even 1 + 4t
+        [1.0, 1.0, 1.0],  # 1 + t + t²: just above the tie, up
+        [-1.0, -1.0, 0.0],  # −(1 + t): to −1
+        [-1.0, -1.0, 1.0],  # −1 − t + t²: just below the tie in size, to −1
+        [(2 - 2**-7) * 2.0**127, 2.0**127, 0.0],  # a tie between bf16's largest and 2^128: inf
+        [float("inf"), 0.0, 0.0],
+        [float("inf"), float("-inf"), 0.0],  # NaN
+        [0.0, 0.0, 0.0],
+    ]
+    w = torch.zeros(16, 32)
+    w[: len(rows_of_w), :3] = torch.tensor(rows_of_w)
+    assert torch.equal(w.bfloat16().float(), w), "the rows must be exact in bf16"
+    expected = (x.double() @ w.double().t()).float().bfloat16()  # exact sums, rounded by torch
+    out = torch.empty(1, 16, dtype=bf16)
+    assert _amx.linear_into(out, x.bfloat16(), w.bfloat16())
+    # the same sums as aᵀ·b over 32 steps: a [32, 16] = wᵀ, b [32, 32] with x's row as column 0
+    a, b = w.t().contiguous().bfloat16(), torch.zeros(32, 32, dtype=bf16)
+    b[:, 0] = x[0].bfloat16()
+    grad = torch.empty(16, 32, dtype=bf16)
+    assert _amx.weight_grad_into(grad, a.t(), b)
+    for got in (out[0], grad[:, 0]):
+        same = (got.view(torch.int16) == expected[0].view(torch.int16)) | (got.isnan() & expected[0].isnan())
+        assert same.all(), f"kernel {got.tolist()} against torch {expected[0].tolist()}"
+    assert out[0, :3].tolist() == [1.0, 1.0 + 4 * t, 1.0 + 2 * t]  # the ties, by hand
+
+
+def test_entry_points_decline_what_they_do_not_take():
+    """False / None, `out` untouched: float32 tensors, dims off the tiles' multiples, more rows
+    than the limits, no rows, rows that are not contiguous; a ValueError for shapes that do not
+    fit each other."""
+    _needs_amx()
+    x, w = torch.randn(4, 64, dtype=bf16), torch.randn(32, 64, dtype=bf16)
+    out = torch.full((4, 32), 7.0, dtype=bf16)
+    assert not _amx.linear_into(out.float(), x.float(), w.float())
+    assert not _amx.linear_into(out[:, :24], x, w[:24])  # O = 24: not a multiple of 16
+    assert not _amx.linear_into(torch.empty(4, 32, dtype=bf16), x[:, :48], w[:, :48])  # I = 48
+    many = _amx.FORWARD_MAX_ROWS + 1
+    assert not _amx.linear_into(torch.empty(many, 32, dtype=bf16), torch.randn(many, 64, dtype=bf16), w)
+    assert not _amx.linear_into(out[:0], x[:0], w)
+    assert not _amx.linear_into(out, x.t().contiguous().t(), w)  # x's rows not contiguous
+    assert bool((out == 7).all())
+    g = torch.randn(4, 32, dtype=bf16)
+    assert _amx.input_grad(g.float(), w.float().t()) is None
+    assert _amx.input_grad(g[:, :16], w[:16].t()) is None  # O = 16: not a multiple of 32
+    assert _amx.input_grad(torch.randn(_amx.INPUT_GRAD_MAX_ROWS + 1, 32, dtype=bf16), w.t()) is None
+    grad = torch.full((32, 64), 7.0, dtype=bf16)
+    assert not _amx.weight_grad_into(grad[:, :48], g.t(), x[:, :48])  # n = 48: not a multiple of 32
+    assert not _amx.weight_grad_into(grad, torch.randn(_amx.WEIGHT_GRAD_MAX_ROWS + 1, 32, dtype=bf16).t(),
+                                     torch.randn(_amx.WEIGHT_GRAD_MAX_ROWS + 1, 64, dtype=bf16))
+    assert bool((grad == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _amx.linear_into(torch.empty(4, 48, dtype=bf16), x, w)
+    with pytest.raises(ValueError, match="do not fit"):
+        _amx.input_grad(torch.randn(4, 64, dtype=bf16), w.t())
+    with pytest.raises(ValueError, match="do not fit"):
+        _amx.weight_grad_into(grad, g.t(), torch.randn(5, 64, dtype=bf16))
+
+
+def test_switched_off_with_the_library():
+    """MOE_FFN_SMALL_GEMM=0 switches off the whole library, the AMX kernel with it."""
+    import subprocess
+    import sys
+
+    code = "from moe_ffn import _amx; print(_amx.available())"
+    env = dict(os.environ, MOE_FFN_SMALL_GEMM="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --- a bf16 layer on the kernel against the float64 loop ------------------------------------
+
+@pytest.mark.parametrize("T", [3, 40, 220])
+def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
+    """Forward products, input gradients and weight gradients of a bf16 layer's experts on the
+    kernel (T = 3: decode-sized blocks; 220: ~110 rows, some past the input gradient's limit for
+    some); output and the gradients of x, the router and both expert weights within bf16
+    rounding of the float64 per-token loop."""
+    _needs_amx()
+    ran = {"linear": 0, "input_grad": 0, "weight_grad": 0}
+    real = {name: getattr(_amx, fn) for name, fn in
+            (("linear", "linear_into"), ("input_grad", "input_grad"), ("weight_grad", "weight_grad_into"))}
+
+    def counted(name):
+        def run(*args, **kwargs):
+            result = real[name](*args, **kwargs)
+            ran[name] += result is not None and result is not False
+            return result
+        return run
+
+    monkeypatch.setattr(_amx, "linear_into", counted("linear"))
+    monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
+    monkeypatch.setattr(_amx, "weight_grad_into", counted("weight_grad"))
+    monkeypatch.setattr(grouped, "_decode_projection", lambda *args: None)  # the per-block loop
+    torch.manual_seed(T)
+    D, F, E, K = 64, 96, 4, 2
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x = torch.randn(T, D, dtype=bf16, requires_grad=True)
+    g = torch.randn(T, D, dtype=bf16)
+    params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
+    y = moe(x)
+    grads = torch.autograd.grad((y * g).sum(), params)
+    active = int((moe.stats.tokens_per_expert_E > 0).sum())
+    assert ran["linear"] == 2 * active and ran["weight_grad"] == 2 * active
+    assert ran["input_grad"] >= 1
+    leaves = [t.detach().double().requires_grad_() for t in params]
+    ref = moe_forward(*leaves, K)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    assert (y.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
+    for name, a, b in zip(("x", "router", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert (a.double() - b).abs().max() <= 3e-2 * b.abs().max(), name
