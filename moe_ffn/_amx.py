@@ -94,11 +94,18 @@ def _openmp(inputs: tuple[Tensor, ...], out: Optional[Tensor]):
     return None if kernel is None else kernel[1]
 
 
+def takes_forward(weight_shape: tuple[int, int]) -> bool:
+    """Whether `linear_into` takes blocks of bf16 rows through a weight [O, I] of this shape
+    here (by its dims; rows and layouts are each call's own conditions)."""
+    O, I = weight_shape
+    return O > 0 and O % 16 == 0 and I > 0 and I % 32 == 0 and available()
+
+
 def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (bf16 x [rows, I], w [O, I], out [rows, O]) by the kernel; returns whether it
     ran (when False, `out` is untouched and the caller uses torch)."""
     rows, (O, I) = x.shape[0], w.shape
-    if not (_bf16(x, w, out) and 0 < rows <= FORWARD_MAX_ROWS and O % 16 == 0 and I % 32 == 0 and I > 0 and O > 0):
+    if not (_bf16(x, w, out) and 0 < rows <= FORWARD_MAX_ROWS and takes_forward((O, I))):
         return False
     openmp = _openmp((x, w), out)
     if openmp is None:
