@@ -530,6 +530,102 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
   return 0;
 }
 
+// ---- SwiGLU's elementwise work in bf16 -----------------------------------------------------
+
+// A float32 result as a bf16 op leaves it: rounded to bf16 (to_bf16) and widened back.
+inline __m512 rounded(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+// e^x for 16 floats: the steps of _small_gemm.cpp's exp8 on 16 lanes (the same values).
+inline __m512 exp16(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
+inline __m512 load16(const uint16_t* at, __mmask16 mask) {  // zeros past the mask
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
+}
+inline void store16(uint16_t* at, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(at, mask, to_bf16(v)); }
+
+struct Swiglu {
+  const uint16_t* h;  // [rows, 2F] bf16: gate | up, rows ldh apart
+  int64_t ldh;
+  const uint16_t* da;  // [rows, F], the gradient of a (backward only)
+  int64_t ldda;
+  const float* weight;  // [rows], scales da (backward; null: 1)
+  uint16_t* a;          // [rows, F] out (null: not wanted)
+  int64_t lda;
+  uint16_t* dh;  // [rows, 2F] out (backward only)
+  int64_t lddh;
+  float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
+  int64_t features;
+};
+
+// Row r, in float32, every intermediate that one of torch's bf16 ops would store rounded where
+// that op rounds it (grouped._hidden and _hidden_backward, each a native bf16 op computing in
+// float32): act = silu(g) = g / (1 + e^-g), a = act·u, the products a·da summed for dweight
+// (and the sum), the routing weight (cast to bf16), dav = da·w, dav·u, and both halves of dh,
+// silu_backward's as torch forms it: (dy·s)·(1 + g·(1 − s)) with s = 1 / (1 + e^-g).
+void swiglu_row(const Swiglu& p, int64_t r) {
+  const uint16_t* gate = p.h + r * p.ldh;
+  const uint16_t* up = gate + p.features;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 w = rounded(_mm512_set1_ps(p.weight ? p.weight[r] : 1.0f));
+  __m512 dot = _mm512_setzero_ps();
+  for (int64_t f = 0; f < p.features; f += 16) {
+    const int64_t n = std::min<int64_t>(16, p.features - f);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 g = load16(gate + f, mask), u = load16(up + f, mask);
+    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 act = rounded(_mm512_div_ps(g, denominator));
+    const __m512 a = rounded(_mm512_mul_ps(act, u));
+    if (p.a) store16(p.a + r * p.lda + f, a, mask);
+    if (!p.dh) continue;
+    const __m512 da = load16(p.da + r * p.ldda + f, mask);  // (zeros past n: dot unaffected)
+    dot = _mm512_add_ps(dot, rounded(_mm512_mul_ps(a, da)));
+    const __m512 dav = rounded(_mm512_mul_ps(da, w));
+    const __m512 dy = rounded(_mm512_mul_ps(dav, u));
+    const __m512 s = _mm512_div_ps(one, denominator);
+    const __m512 slope = _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, s)));
+    store16(p.dh + r * p.lddh + f, _mm512_mul_ps(_mm512_mul_ps(dy, s), slope), mask);
+    store16(p.dh + r * p.lddh + p.features + f, _mm512_mul_ps(dav, act), mask);
+  }
+  if (p.dweight) p.dweight[r] = _mm512_cvtss_f32(rounded(_mm512_set1_ps(_mm512_reduce_add_ps(dot))));
+}
+
+int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
+  if (!ready() || rows < 0 || p.features < 0 || threads < 1) return -1;
+  if (rows == 0) return 0;
+  // at least 2^15 elements a thread: below that the team costs more than it saves
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, rows * p.features >> 15));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(rows, 1, t, n, &first, &last);
+    for (int64_t r = first; r < last; ++r) swiglu_row(p, r);
+  });
+  return 0;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -564,4 +660,25 @@ extern "C" int moe_ffn_amx_weight_grad(const uint16_t* a, int64_t lda, const uin
                                        void* num_threads) {
   return weight_grad(a, lda, b, ldb, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0, threads,
                      make_team(parallel, thread_num, num_threads));
+}
+
+// a = silu(h[:, :F])·h[:, F:] for bf16 h [rows, 2F] (rows ldh apart) into bf16 a [rows, F] (lda),
+// rounded where torch's two bf16 ops round (swiglu_row).
+extern "C" int moe_ffn_amx_swiglu_bf16(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t rows,
+                                       int64_t features, int threads, void* parallel, void* thread_num,
+                                       void* num_threads) {
+  const Swiglu p{h, ldh, nullptr, 0, nullptr, a, lda, nullptr, 0, nullptr, features};
+  return a ? swiglu(p, rows, threads, make_team(parallel, thread_num, num_threads)) : -1;
+}
+
+// The gradient dh [rows, 2F] (lddh) of a = silu(gate)·up (h = gate | up, ldh) from da [rows, F]
+// (ldda) scaled by weight[r] (float32; null: 1); on the way a itself (lda; null: not wanted)
+// and dweight[r] = sum_f a·da before the scaling (float32 holding a bf16 value; null: not
+// wanted). bf16 h, da, a, dh, rounded where the bf16 ops of grouped._hidden_backward round.
+extern "C" int moe_ffn_amx_swiglu_backward_bf16(const uint16_t* h, int64_t ldh, const uint16_t* da, int64_t ldda,
+                                                const float* weight, uint16_t* a, int64_t lda, uint16_t* dh,
+                                                int64_t lddh, float* dweight, int64_t rows, int64_t features,
+                                                int threads, void* parallel, void* thread_num, void* num_threads) {
+  const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
+  return dh && da ? swiglu(p, rows, threads, make_team(parallel, thread_num, num_threads)) : -1;
 }

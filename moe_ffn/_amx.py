@@ -61,6 +61,7 @@ def _entry_points():
     try:
         ready, linear = lib.moe_ffn_amx_ready, lib.moe_ffn_amx_linear
         input_grad, weight_grad = lib.moe_ffn_amx_input_grad, lib.moe_ffn_amx_weight_grad
+        swiglu, swiglu_backward = lib.moe_ffn_amx_swiglu_bf16, lib.moe_ffn_amx_swiglu_backward_bf16
     except AttributeError:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -71,7 +72,10 @@ def _entry_points():
         fn.restype = c_int
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, c_int] + team
     weight_grad.restype = c_int
-    return ready, linear, input_grad, weight_grad
+    swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64] + team
+    swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64] + team
+    swiglu.restype = swiglu_backward.restype = c_int
+    return ready, linear, input_grad, weight_grad, swiglu, swiglu_backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,3 +170,49 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
         k, m, n, int(accumulate), torch.get_num_threads(), *openmp,
     )
     return status == 0
+
+
+def swiglu(h: Tensor) -> Optional[Tensor]:
+    """silu(gate)·up for bf16 h = gate | up [rows, 2F] in one pass (AVX-512), as a new bf16
+    [rows, F] tensor rounded where torch's two bf16 ops round (silu's result, then the
+    product); None where it does not run (the caller uses torch's ops)."""
+    if not (_bf16(h) and h.dim() == 2 and h.shape[1] % 2 == 0):
+        return None
+    openmp = _openmp((h,), None)
+    if openmp is None:
+        return None
+    rows, F = h.shape[0], h.shape[1] // 2
+    a = h.new_empty(rows, F)
+    status = _entry_points()[4](h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, torch.get_num_threads(), *openmp)
+    return a if status == 0 else None
+
+
+def swiglu_backward(
+    h: Tensor, da: Tensor, weight: Optional[Tensor], want_a: bool, want_dweight: bool
+) -> Optional[tuple[Optional[Tensor], Tensor, Optional[Tensor]]]:
+    """(a, dh, dweight) of bf16 h = gate | up [rows, 2F] and da [rows, F] in one pass (as
+    `_small_gemm.swiglu_backward` for float32): a = silu(gate)·up (if wanted), dh the gradient
+    of h from da·weight[:, None] (weight None: 1; cast to bf16 first, as grouped's ops cast it),
+    dweight[r] = Σ_f a·da before the scaling (float32, if wanted); each rounded where
+    grouped._hidden_backward's bf16 ops round. None where it does not run."""
+    rows, F = da.shape
+    if not (
+        _bf16(h, da)
+        and h.shape == (rows, 2 * F)
+        and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
+    ):
+        return None
+    openmp = _openmp((h, da), None)
+    if openmp is None:
+        return None
+    if weight is not None:
+        weight = weight.to(torch.float32).contiguous()
+    a = h.new_empty(rows, F) if want_a else None
+    dh = h.new_empty(rows, 2 * F)
+    dweight = h.new_empty(rows, dtype=torch.float32) if want_dweight else None
+    status = _entry_points()[5](
+        h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0), None if weight is None else weight.data_ptr(),
+        None if a is None else a.data_ptr(), F, dh.data_ptr(), dh.stride(0),
+        None if dweight is None else dweight.data_ptr(), rows, F, torch.get_num_threads(), *openmp,
+    )
+    return (a, dh, dweight) if status == 0 else None

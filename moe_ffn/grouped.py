@@ -671,7 +671,8 @@ def _hidden(h_nH: Tensor, activation: str, gated: bool, dtype: torch.dtype) -> T
     if not gated:
         return _round(act(h_nH), dtype)
     if canonical_activation(activation) == "silu":
-        a_nF = _small_gemm.swiglu(h_nH)  # one pass where torch makes two (see _hidden_backward)
+        # one pass where torch makes two (see _hidden_backward)
+        a_nF = _amx.swiglu(h_nH) if h_nH.dtype == dtype == torch.bfloat16 else _small_gemm.swiglu(h_nH)
         if a_nF is not None:
             return _round(a_nF, dtype)
     gate_nF, up_nF = h_nH.chunk(2, dim=-1)
@@ -687,12 +688,15 @@ def _hidden_backward(
     dweight_n = <a_n, da_n> before that scaling (if wanted); each rounded as a native `dtype`
     kernel would. da_nF is the group's own temporary and may be overwritten.
 
-    float32 SwiGLU takes our kernel's single pass over the rows (see _small_gemm): torch's ops
-    made seven (silu, two products, the sum, the scaling, silu_backward and the copy into
-    dh). Mixtral's shape, 512 rows, interleaved on the 2-core EPYC: 2.4 against 9.8 ms.
+    SwiGLU in float32, or in bf16 where bf16 is the compute dtype on an AMX CPU, takes our
+    kernel's single pass over the rows (_small_gemm; _amx for bf16, rounded where the ops below
+    round): torch's ops made seven (silu, two products, the sum, the scaling, silu_backward and
+    the copy into dh). Mixtral's shape, 512 rows, interleaved on the 2-core EPYC, float32: 2.4
+    against 9.8 ms.
     """
-    if gated and dtype == torch.float32 and canonical_activation(activation) == "silu":
-        fused = _small_gemm.swiglu_backward(h_nH, da_nF, weight_n, want_a, want_dweight)
+    if gated and h_nH.dtype == dtype in (torch.float32, torch.bfloat16) and canonical_activation(activation) == "silu":
+        kernel = _small_gemm if dtype == torch.float32 else _amx
+        fused = kernel.swiglu_backward(h_nH, da_nF, weight_n, want_a, want_dweight)
         if fused is not None:
             return fused
     F_ = da_nF.shape[1]

@@ -181,6 +181,57 @@ def test_entry_points_decline_what_they_do_not_take():
         _amx.weight_grad_into(grad, g.t(), torch.randn(5, 64, dtype=bf16))
 
 
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got − want| in units of bf16's spacing at want (2^-7 of its binade), elementwise."""
+    want64 = want.double()
+    spacing = torch.exp2(torch.floor(torch.log2(want64.abs().clamp(min=2.0**-126))) - 7)
+    return (got.double() - want64).abs() / spacing
+
+
+@pytest.mark.parametrize("rows, F", [(1, 8), (3, 13), (37, 300)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_bf16_swiglu_kernels_are_torchs_bf16_ops(rows, F, scaled):
+    """bf16 h and da: the one-pass AVX-512 kernels give what grouped's bf16 ops give, written out here
+    with torch's own bf16 ops (silu, products, the sum, silu_backward, the weight cast to bf16),
+    each rounding to bf16: bit for bit but for elements where our e^x and torch's land on two
+    sides of a rounding boundary (at most one bf16 unit apart there, and rare)."""
+    _needs_amx()
+    torch.manual_seed(rows + F)
+    h, da = (torch.randn(rows + 1, 2 * F + 3)[1:, 2 : 2 * F + 2] * 4).bfloat16(), torch.randn(rows, F + 5)[:, 3 : F + 3].bfloat16()
+    weight = torch.rand(rows) + 0.5 if scaled else None
+    gate, up = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate)
+    a_ops = act * up
+    dweight_ops = (a_ops * da).sum(-1)
+    dav = da if weight is None else da * weight[:, None].bfloat16()
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * up, gate), dav * act], dim=-1)
+    a = _amx.swiglu(h)
+    a2, dh, dweight = _amx.swiglu_backward(h, da, weight, True, True)
+    assert a.dtype == dh.dtype == torch.bfloat16 and dweight.dtype == torch.float32
+    assert torch.equal(a.view(torch.int16), a2.view(torch.int16))
+    for got, want in ((a, a_ops), (dh, dh_ops)):
+        ulps = _bf16_ulps(got, want)
+        assert ulps.max() <= 2 and (ulps > 0).float().mean() <= 0.02
+    # the sum runs in another order than torch's: within its float32 bound, then one rounding
+    assert torch.equal(dweight.bfloat16().float(), dweight)  # rounded to bf16 as the op's result is
+    bound = (F + 4) * 2.0**-24 * (a_ops.double() * da.double()).abs().sum(-1)
+    assert ((dweight.double() - dweight_ops.double()).abs() <= 2.0**-8 * dweight_ops.double().abs() * 2 + bound + 1e-30).all()
+
+
+def test_bf16_swiglu_kernels_pass_nan_through_and_decline_what_they_do_not_take():
+    _needs_amx()
+    h, da = torch.ones(2, 32, dtype=bf16), torch.ones(2, 16, dtype=bf16)
+    h[0, 3] = float("nan")  # a gate
+    h[1, 16 + 5] = float("nan")  # an up
+    assert _amx.swiglu(h).isnan().nonzero().tolist() == [[0, 3], [1, 5]]
+    _, dh, dweight = _amx.swiglu_backward(h, da, None, False, True)
+    assert dh[0, [3, 16 + 3]].isnan().all() and dh[1, 5].isnan() and dweight.isnan().all() and dh.isnan().sum() == 3
+    assert _amx.swiglu(h.float()) is None and _amx.swiglu(h[:, :31]) is None
+    assert _amx.swiglu_backward(h, da.float(), None, True, True) is None  # mixed dtypes
+    assert _amx.swiglu_backward(h, da[:, :15], None, True, True) is None  # da not [rows, F]
+    assert _amx.swiglu(torch.ones(32, 2, dtype=bf16).t()) is None  # rows not contiguous
+
+
 def test_switched_off_with_the_library():
     """MOE_FFN_SMALL_GEMM=0 switches off the whole library, the AMX kernel with it."""
     import subprocess
