@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moe_ffn import _small_gemm
+from moe_ffn import _memory, _small_gemm
 
 FORWARD_MAX_ROWS = 192
 INPUT_GRAD_MAX_ROWS = 128
@@ -182,7 +182,7 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
     if openmp is None:
         return None
     rows, F = h.shape[0], h.shape[1] // 2
-    a = h.new_empty(rows, F)
+    a = _memory.scratch(h, rows, F)  # (a temporary of the caller's group of rows)
     status = _entry_points()[4](h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, torch.get_num_threads(), *openmp)
     return a if status == 0 else None
 
@@ -207,8 +207,8 @@ def swiglu_backward(
         return None
     if weight is not None:
         weight = weight.to(torch.float32).contiguous()
-    a = h.new_empty(rows, F) if want_a else None
-    dh = h.new_empty(rows, 2 * F)
+    a = _memory.scratch(h, rows, F) if want_a else None  # (temporaries of the caller's group)
+    dh = _memory.scratch(h, rows, 2 * F)
     dweight = h.new_empty(rows, dtype=torch.float32) if want_dweight else None
     status = _entry_points()[5](
         h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0), None if weight is None else weight.data_ptr(),

@@ -87,6 +87,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moe_ffn import _memory
+
 MAX_ROWS = 64
 INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
@@ -430,7 +432,7 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
         return None
     lib, openmp = kernel
     rows, F = h.shape[0], h.shape[1] // 2
-    a = h.new_empty(rows, F)
+    a = _memory.scratch(h, rows, F)  # (a temporary of the caller's group of rows)
     status = lib.moe_ffn_swiglu_f32(h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, torch.get_num_threads(), *openmp)
     return a if status == 0 else None
 
@@ -454,8 +456,8 @@ def swiglu_backward(
     lib, openmp = kernel
     if weight is not None:
         weight = weight.to(torch.float32).contiguous()
-    a = h.new_empty(rows, F) if want_a else None
-    dh = h.new_empty(rows, 2 * F)
+    a = _memory.scratch(h, rows, F) if want_a else None  # (temporaries of the caller's group)
+    dh = _memory.scratch(h, rows, 2 * F)
     dweight = h.new_empty(rows) if want_dweight else None
     status = lib.moe_ffn_swiglu_backward_f32(
         h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0), None if weight is None else weight.data_ptr(),

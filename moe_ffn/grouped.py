@@ -717,8 +717,11 @@ def _hidden_backward(
 
 
 def _rows(src: Tensor, token_N: Optional[Tensor], first: int, last: int) -> Tensor:
-    """Rows first:last of the sorted order: src's own rows, or gathered from tokens."""
-    return src[first:last] if token_N is None else src.index_select(0, token_N[first:last])
+    """Rows first:last of the sorted order: src's own rows, or gathered from tokens (into
+    scratch memory: a group's temporary, see _memory.scratch)."""
+    if token_N is None:
+        return src[first:last]
+    return torch.index_select(src, 0, token_N[first:last], out=_memory.scratch(src, last - first, src.shape[1]))
 
 
 def _decode_projection(
@@ -862,12 +865,12 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
         return _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
     groups = _groups(blocks, H, split=False)
     if keep_h:
-        h_NH = _memory.empty(x, N, H)  # the first projection's output, kept for backward
+        h_NH = _memory.scratch(x, N, H)  # the first projection's output, kept for backward
         if used < N:
             h_NH[used:].zero_()
     else:
         h_NH = x.new_empty(0, H)
-        h_gH = _memory.empty(x, max((g[-1][2] - g[0][1] for g in groups), default=0), H)
+        h_gH = _memory.scratch(x, max((g[-1][2] - g[0][1] for g in groups), default=0), H)
     if token_N is None:
         out = _memory.empty(x, N, D)
         if used < N:
@@ -891,14 +894,17 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
         for piece in _groups(group, H, split=cdt == x.dtype):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
-            y_pD = out[lo:hi] if token_N is None else x.new_empty(hi - lo, D)
+            y_pD = out[lo:hi] if token_N is None else _memory.scratch(x, hi - lo, D)
             for e, start, stop in piece:
                 b = None if b2_ED is None else b2_ED[e]
                 rows = slice(start - lo, stop - lo)
                 _linear_into(y_pD[rows], a_pF[rows], w2_EDF[e], b, cdt)
             del a_pF
             if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
-                y_pD = y_pD.to(weight_N.dtype).mul_(weight_N[lo:hi, None])
+                if y_pD.dtype == weight_N.dtype:
+                    y_pD.mul_(weight_N[lo:hi, None])
+                else:
+                    y_pD = torch.mul(y_pD, weight_N[lo:hi, None], out=_memory.scratch(x, hi - lo, D, dtype=weight_N.dtype))
                 out.index_add_(0, token_N[lo:hi], y_pD)
             del y_pD
     return out, h_NH
@@ -947,7 +953,7 @@ def _ffn_backward(
         first, last = group[0][1], group[-1][2]
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)
         h_gH = h_NH[first:last].to(cdt)
-        da_gF = g_gD.new_empty(last - first, F_)
+        da_gF = _memory.scratch(g_gD, last - first, F_)
         for e, start, stop in group:
             rows = slice(start - first, stop - first)
             _linear(g_gD[rows], w2_EDF[e].t(), out=da_gF[rows])  # (in cdt; bf16 weights read as they are)
@@ -963,7 +969,8 @@ def _ffn_backward(
                         rows = slice(start - first, stop - first)
                         dweight_g[rows] += g_gD[rows] @ b2_ED[e].to(cdt)
                 grad_weight_N[first:last] = dweight_g
-            g_gD = _round(g_gD * weight_N[first:last, None].to(cdt), dtype)  # the expert's output rows' gradient
+            # the expert's output rows' gradient (in place on the group's gathered rows)
+            g_gD = _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
         if need_w:  # down projection's weight gradient, from the recomputed hidden rows
             for e, start, stop in group:
                 rows = slice(start - first, stop - first)
@@ -973,7 +980,7 @@ def _ffn_backward(
                     grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if again else 0)
         del a_gF, g_gD
         x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
-        dx_gD = dh_gH.new_empty(last - first, D) if (need_x and routed) else None
+        dx_gD = _memory.scratch(dh_gH, last - first, D) if (need_x and routed) else None
         for e, start, stop in group:
             rows = slice(start - first, stop - first)
             dh_nH = dh_gH[rows]
@@ -986,7 +993,10 @@ def _ffn_backward(
             if need_x:
                 _linear(dh_nH, w1_EHD[e].t(), out=dx_gD[rows] if routed else grad_x[start:stop])
         if dx_gD is not None:
-            grad_x.index_add_(0, token_N[first:last], _round(dx_gD, dtype).to(grad_x.dtype))
+            dx_gD = _round(dx_gD, dtype)
+            if dx_gD.dtype != grad_x.dtype:
+                dx_gD = _memory.scratch(grad_x, last - first, D).copy_(dx_gD)
+            grad_x.index_add_(0, token_N[first:last], dx_gD)
         del x_gD, dx_gD, dh_gH
     if routed and need_x:
         grad_x = grad_x.to(dtype)

@@ -279,3 +279,76 @@ def test_environment_switch_turns_kept_gradient_memory_off():
         env = dict(os.environ, MOE_FFN_KEEP_GRADIENT_MEMORY=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected
+
+
+# --- scratch memory for temporaries ----------------------------------------------------------
+
+@pytest.fixture
+def pool():
+    """An empty scratch pool for the test, emptied again after it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("scratch mappings are made on Linux only")
+    _memory.release_gradient_memory()
+    yield _memory._pool
+    _memory.release_gradient_memory()
+
+
+def test_scratch_is_reused_only_once_no_tensor_holds_it(pool):
+    like = torch.empty(0)
+    a = _memory.scratch(like, 2048, 1024)  # 8 MiB
+    assert a.shape == (2048, 1024) and a.dtype == torch.float32 and len(pool) == 1
+    address = a.data_ptr()
+    b = _memory.scratch(like, 2048, 1024)
+    assert b.data_ptr() != address and len(pool) == 2  # a still holds the first mapping
+    view = a[10:20]
+    del a
+    c = _memory.scratch(like, 2048, 1024)
+    assert c.data_ptr() not in (address, b.data_ptr()) and len(pool) == 3  # a view holds it too
+    del view
+    d = _memory.scratch(like, 1900, 1024, dtype=torch.float32)  # a little smaller: the same size class
+    assert d.data_ptr() == address and len(pool) == 3
+    d.fill_(2.0)
+    assert bool((d == 2).all())
+
+
+def test_scratch_of_other_sizes_and_small_or_huge_requests(pool):
+    like = torch.empty(0, dtype=torch.bfloat16)
+    a = _memory.scratch(like, 4096, 1024)  # 8 MiB
+    address = a.data_ptr()
+    del a
+    big = _memory.scratch(like, 4096, 4096)  # 32 MiB: more than twice the free mapping, a new one
+    assert big.data_ptr() != address and len(pool) == 2
+    small = _memory.scratch(like, 16, 16)  # under _MIN_BYTES: an ordinary tensor, not pooled
+    assert small.shape == (16, 16) and len(pool) == 2
+    assert _memory._size_class(1) == 2 << 20 and _memory._size_class((2 << 20) + 1) == 4 << 20
+    assert _memory._size_class(37 << 20) == 40 << 20  # 8 steps per doubling past 32 MiB: 4 MiB steps
+
+
+def test_scratch_keeps_at_most_the_free_bytes_allowed(pool, monkeypatch):
+    monkeypatch.setattr(_memory, "_POOL_FREE_BYTES", 10 << 20)
+    like = torch.empty(0)
+    held = [_memory.scratch(like, 1 << 20) for _ in range(3)]  # 4 MiB each
+    assert len(pool) == 3
+    del held
+    _memory.scratch(like, 4 << 20)  # 16 MiB: the three free ones (12 MiB) are trimmed to 8 MiB
+    assert len(pool) == 3 and sorted(len(b) for b in pool) == [4 << 20, 4 << 20, 16 << 20]
+
+
+def test_scratch_peak_counts_the_mappings_in_use(pool):
+    like = torch.empty(0)
+    _memory.scratch_peak_bytes(reset=True)
+    a = _memory.scratch(like, 1 << 20)  # 4 MiB
+    b = _memory.scratch(like, 2 << 20)  # 8 MiB
+    del a
+    assert _memory.scratch_peak_bytes(reset=True) == 12 << 20
+    assert _memory.scratch_peak_bytes() == 8 << 20  # b, still in use after the reset
+    del b
+
+
+def test_environment_switch_turns_scratch_memory_off():
+    import subprocess
+
+    code = "import torch; from moe_ffn import _memory; _memory.scratch(torch.empty(0), 1 << 22); print(len(_memory._pool))"
+    env = dict(__import__("os").environ, MOE_FFN_KEEP_SCRATCH_MEMORY="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
