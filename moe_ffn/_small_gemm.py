@@ -390,6 +390,104 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
     return _product(kernel, out, a, True, b, True, accumulate=accumulate)
 
 
+# float32 weight gradients on AVX-512 CPUs (_avx512.cpp): MKL's sgemm writes a weight gradient
+# from a few dozen rows well under its rate (aᵀ·b with k = 16–96: the 2-core Xeon, the
+# benchmark's four expert weights, 8 in turn into memory written before, 9 interleaved
+# rounds, GFLOP/s MKL → this kernel: 16 rows 102–173 → 113–206, 64 rows 177–200 → 247–278; at
+# 128 rows level (261–267 → 183–275), at 256 behind (298–320 → 141–289)); from 16 rows to
+# AVX512_WEIGHT_GRAD_ROWS it runs them. Outputs of at least 2^22 elements from up to 32 rows
+# are written with streaming stores (7168×1024 from 16 rows: 155 → 206 GFLOP/s; smaller
+# outputs, or more rows, lost with them: 1024×1024 from 16 rows 139 → 96).
+AVX512_WEIGHT_GRAD_ROWS = (16, 96)
+_STREAM_ELEMENTS, _STREAM_MAX_ROWS = 1 << 22, 32
+
+
+@functools.lru_cache(maxsize=None)
+def _avx512_entry_points():
+    """(forward, weight gradient) AVX-512 entry points, or None: the library not built or
+    switched off, built without them, or the CPU (or OS) without AVX-512."""
+    lib = library()
+    if lib is None:
+        return None
+    try:
+        ready, linear, weight_grad = lib.moe_ffn_avx512_ready, lib.moe_ffn_avx512_linear_f32, lib.moe_ffn_avx512_weight_grad_f32
+    except AttributeError:
+        return None
+    ready.restype = ctypes.c_int
+    if ready() != 1:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
+    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, ptr]
+    linear.restype = weight_grad.restype = c_int
+    return linear, weight_grad
+
+
+def _avx512_weight_grad():
+    points = _avx512_entry_points()
+    return None if points is None else points[1]
+
+
+AVX512_FORWARD_ROWS = (9, 64)
+
+
+def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
+    """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
+    AVX512_FORWARD_ROWS rows; returns whether it ran (when False, `out` is untouched)."""
+    rows = x.shape[0]
+    if not (
+        AVX512_FORWARD_ROWS[0] <= rows <= AVX512_FORWARD_ROWS[1]
+        and x.dtype == w.dtype == out.dtype == torch.float32
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    ):
+        return False
+    points = _avx512_entry_points()
+    kernel = _kernel_for((x, w), out) if points is not None else None
+    if kernel is None:
+        return False
+    O, I = w.shape
+    if x.shape[1] != I or out.shape != (rows, O):
+        raise ValueError(f"avx512_linear_into: x {tuple(x.shape)}, w {tuple(w.shape)} and out {tuple(out.shape)} do not fit")
+    status = points[0](
+        x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), out.stride(0), rows, O, I,
+        torch.get_num_threads(), *kernel[1],
+    )
+    return status == 0
+
+
+def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = False) -> bool:
+    """out = a_t·b (out += a_t·b with `accumulate`) for a_t = a.t() (float32 a [k, m] with
+    contiguous rows) and b [k, n] by the AVX-512 kernel, for AVX512_WEIGHT_GRAD_ROWS rows k;
+    returns whether it ran (when False, `out` is untouched). `out`'s old contents are not
+    read unless accumulating."""
+    a = a_t.t()
+    k = a.shape[0]
+    if not (
+        AVX512_WEIGHT_GRAD_ROWS[0] <= k <= AVX512_WEIGHT_GRAD_ROWS[1]
+        and a.dtype == b.dtype == out.dtype == torch.float32
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    ):
+        return False
+    fn = _avx512_weight_grad()
+    kernel = _kernel_for((a, b), out) if fn is not None else None
+    if kernel is None:
+        return False
+    m, n = a.shape[1], b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(
+            f"avx512_weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
+        )
+    stream = (
+        not accumulate and k <= _STREAM_MAX_ROWS and out.numel() >= _STREAM_ELEMENTS
+        and out.data_ptr() % 64 == 0 and out.stride(0) % 16 == 0
+    )
+    status = fn(
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), k, m, n,
+        int(accumulate), int(stream), torch.get_num_threads(), *kernel[1],
+    )
+    return status == 0
+
+
 def _product(
     kernel: tuple, out: Tensor, a: Tensor, a_steps_are_rows: bool, b: Tensor, b_steps_are_rows: bool,
     bias: Optional[Tensor] = None, accumulate: bool = False,

@@ -290,6 +290,8 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         x, w, b = x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
     if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)
         return
+    if b is None and _small_gemm.avx512_linear_into(out, x, w):  # float32, AVX-512 CPUs, 9–64 rows
+        return
     if cdt != out.dtype or (cdt == torch.float32 and x.shape[0] <= _ONEDNN_MAX_ROWS):
         out.copy_(_linear(x, w, b))
     elif b is None:
@@ -343,6 +345,8 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
     if a.dtype == out.dtype:
         if out.dtype == torch.bfloat16 and _amx.weight_grad_into(out, a, b, accumulate):
             return  # AMX CPUs (see _amx); old contents are not read unless accumulating
+        if _small_gemm.avx512_weight_grad_into(out, a, b, accumulate):
+            return  # float32 on AVX-512 CPUs, 16–96 rows (see _small_gemm); likewise
         if (
             overwrite
             and not accumulate

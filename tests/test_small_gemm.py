@@ -446,6 +446,74 @@ def test_swiglu_kernels_decline_what_they_do_not_take():
     assert _small_gemm.swiglu_backward(h, da, torch.rand(3), True, True) is None  # weight not [rows]
 
 
+def _needs_avx512_kernel():
+    if _small_gemm._avx512_weight_grad() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
+
+
+@pytest.mark.parametrize("rows", [16, 17, 33, 64, 96])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (2048, 2048)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
+    """aᵀ·b over `rows` rows into a slice of a wider tensor (margins untouched), or added to
+    what it holds; (2048, 2048) from up to 32 rows: stored with streaming stores."""
+    _needs_avx512_kernel()
+    m, n = shape
+    a, b = _strided(rows, m), _strided(rows, n)
+    wide = torch.full((m, n + 20), float("nan"))
+    out = wide[:, 4 : n + 4]
+    init = torch.randn(m, n) if accumulate else None
+    if accumulate:
+        out.copy_(init)
+    assert _small_gemm.avx512_weight_grad_into(out, a.t(), b, accumulate=accumulate)
+    exact = a.double().t() @ b.double() + (0 if init is None else init.double())
+    bound = _bound(a.double().abs().t(), b.double().abs(), rows + 1) + (0 if init is None else (rows + 3) * U * init.double().abs())
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert wide[:, :4].isnan().all() and wide[:, n + 4 :].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [9, 12, 17, 33, 64])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (64, 1040), (40, 3584)])
+def test_avx512_linear_matches_float64(rows, shape):
+    """x·wᵀ into a slice of a wider tensor (margins untouched): tiles of 4 rows by 6, their
+    tails, I not a multiple of 16 and I past one 512-element chunk (partial sums carried)."""
+    _needs_avx512_kernel()
+    O, I = shape
+    x, w = _strided(rows, I), _strided(O, I)
+    wide = torch.full((rows, O + 6), float("nan"))
+    out = wide[:, 3 : O + 3]
+    assert _small_gemm.avx512_linear_into(out, x, w)
+    bound = _bound(x.double().abs(), w.double().abs().t(), I)
+    assert ((out.double() - x.double() @ w.double().t()).abs() <= bound).all()
+    assert wide[:, :3].isnan().all() and wide[:, O + 3 :].isnan().all()
+
+
+def test_avx512_linear_declines_what_it_does_not_take():
+    _needs_avx512_kernel()
+    lo, hi = _small_gemm.AVX512_FORWARD_ROWS
+    w, out = torch.randn(24, 40), torch.full((hi + 1, 24), 7.0)
+    for rows in (lo - 1, hi + 1):
+        assert not _small_gemm.avx512_linear_into(out[:rows], torch.randn(rows, 40), w)
+    assert not _small_gemm.avx512_linear_into(out[:lo].double(), torch.randn(lo, 40).double(), w.double())
+    assert not _small_gemm.avx512_linear_into(out[:lo], torch.randn(40, lo).t(), w)  # x's rows not contiguous
+    assert bool((out == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.avx512_linear_into(out[:lo, :20], torch.randn(lo, 40), w)
+
+
+def test_avx512_weight_grad_declines_what_it_does_not_take():
+    _needs_avx512_kernel()
+    lo, hi = _small_gemm.AVX512_WEIGHT_GRAD_ROWS
+    out = torch.full((8, 32), 7.0)
+    for rows in (lo - 1, hi + 1):
+        assert not _small_gemm.avx512_weight_grad_into(out, torch.randn(rows, 8).t(), torch.randn(rows, 32))
+    assert not _small_gemm.avx512_weight_grad_into(out.double(), torch.randn(lo, 8).double().t(), torch.randn(lo, 32).double())
+    assert not _small_gemm.avx512_weight_grad_into(out, torch.randn(8, lo), torch.randn(lo, 32))  # a's rows not contiguous
+    assert bool((out == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.avx512_weight_grad_into(out, torch.randn(lo, 8).t(), torch.randn(lo, 31))
+
+
 def test_environment_switch_turns_the_kernel_off():
     code = "from moe_ffn import _small_gemm; print(_small_gemm.library() is None)"
     env = dict(os.environ, MOE_FFN_SMALL_GEMM="0")
@@ -582,6 +650,30 @@ def test_linear_blocks_declines_what_it_does_not_take():
         _small_gemm.linear_blocks(x, w, [(0, 78, 81)])
     with pytest.raises(ValueError, match="do not fit"):
         _small_gemm.linear_blocks(x[:, :8], w, [(0, 0, 4)])
+
+
+@pytest.mark.machine_ranges
+def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
+    """On AVX-512 CPUs, blocks of 9–64 rows go to the AVX-512 forward kernel and weight
+    gradients of 16–96 rows to the AVX-512 weight-gradient kernel (T = 40, top-2 of 4 experts:
+    ~20 rows each); output and gradients against the float64 loop."""
+    _needs_avx512_kernel()
+    ran = {"linear": 0, "weight_grad": 0}
+    linear, weight_grad = _small_gemm.avx512_linear_into, _small_gemm.avx512_weight_grad_into
+
+    def counted_weight_grad(*args, **kwargs):
+        done = weight_grad(*args, **kwargs)
+        ran["weight_grad"] += done
+        return done
+
+    def counted_linear(*args):
+        done = linear(*args)
+        ran["linear"] += done
+        return done
+    monkeypatch.setattr(_small_gemm, "avx512_linear_into", counted_linear)
+    monkeypatch.setattr(_small_gemm, "avx512_weight_grad_into", counted_weight_grad)
+    _layer_against_float64(T=40)
+    assert ran["linear"] >= 2 * 3 and ran["weight_grad"] >= 2 * 3  # both projections, (almost) every expert
 
 
 @pytest.mark.parametrize("T", [12, 80])

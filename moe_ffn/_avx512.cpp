@@ -1,0 +1,288 @@
+// float32 products of expert blocks on CPUs with AVX-512:
+//
+//     forward          y[r, o] = sum_i x[r, i] * w[o, i]  (x·wᵀ: a block's rows through an
+//                                                         expert's weight w [O, I])
+//     weight gradient  c[m, n] = sum_k a[k, m] * b[k, n]  (aᵀ·b: a an output gradient's block of
+//                                                         k rows, b the input's rows, c the
+//                                                         weight's gradient)
+//
+// Forward: dot products along the contiguous I dim of x and w (w read as it lies, never
+// packed), in register tiles of 4 rows of x by 6 rows of w (24 accumulators of 16 lanes), the
+// sums reduced across lanes at the end of each chunk of 512 of I (a chunk of the tile's rows
+// of w and x stays in L1 while every row tile of x passes over it). The threads split w's rows.
+//
+// Weight gradient:
+// the few to few dozen rows k of a block (moe_ffn/_small_gemm.py says where and why: MKL's
+// sgemm runs these at 170–200 GFLOP/s at 64 rows, a large product at 350–440); outer
+// products in register tiles of 6 rows by 64 columns of c (24 accumulators of 16 lanes): for
+// each row k, 6 values of a broadcast and 4 vectors of b's row, 24 FMAs; the tile's sums run
+// over all k rows (b's 64 columns of them stay in L1) and each element of c is stored once,
+// never read (or read once and added to, accumulating). Large outputs from few rows are
+// stored past the caches (streaming stores): the gradient is read next by the optimizer, and
+// a store that first reads its line (to own it) doubles the memory traffic of a product that
+// is mostly writing. The threads split c's rows.
+//
+// Built with the package's AVX2 flags; the code between push_options and pop_options is
+// compiled for AVX-512 and runs only where moe_ffn_avx512_ready() says the CPU and OS allow.
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "_team.h"
+
+using moe_ffn_team::make_team;
+using moe_ffn_team::on_team;
+using moe_ffn_team::share;
+using moe_ffn_team::Team;
+
+namespace {
+
+bool avx512_usable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return false;  // F, BW, VL
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;       // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (((uint64_t{hi} << 32) | lo) & 0xE6) == 0xE6;  // SSE, AVX and AVX-512 state enabled
+}
+
+bool ready() {
+  static const bool usable = avx512_usable();
+  return usable;
+}
+
+struct WeightGrad {
+  const float* a;  // [k, m], rows lda apart
+  int64_t lda;
+  const float* b;  // [k, n], rows ldb apart
+  int64_t ldb;
+  float* c;  // [m, n], rows ldc apart
+  int64_t ldc;
+  int64_t k, m, n;
+  bool accumulate, stream;
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace {
+
+// ROWS rows of c from row r, VECS vectors of 16 columns from column q; with MASKED the last
+// vector only its `last` lanes. The accumulators stay in registers only if nothing in the tile
+// depends on run-time choices (GCC kept them on the stack, storing all 24 every step, when the
+// store's mode and the mask were run-time values: 2.6× slower), hence the template flags.
+template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM>
+void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t k,
+          __mmask16 last) {
+  __m512 acc[ROWS][VECS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < k; ++s) {
+    __m512 b_s[VECS];
+    for (int j = 0; j < VECS; ++j)
+      b_s[j] = MASKED && j + 1 == VECS ? _mm512_maskz_loadu_ps(last, b + 16 * j) : _mm512_loadu_ps(b + 16 * j);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 a_i = _mm512_set1_ps(a[i]);
+      for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
+    }
+    a += lda;
+    b += ldb;
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) {
+      float* at = c + i * ldc + 16 * j;
+      if (MASKED && j + 1 == VECS) {
+        __m512 v = acc[i][j];
+        if (ACCUMULATE) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(last, at));
+        _mm512_mask_storeu_ps(at, last, v);
+      } else if (ACCUMULATE) {
+        _mm512_storeu_ps(at, _mm512_add_ps(acc[i][j], _mm512_loadu_ps(at)));
+      } else if (STREAM) {
+        _mm512_stream_ps(at, acc[i][j]);
+      } else {
+        _mm512_storeu_ps(at, acc[i][j]);
+      }
+    }
+}
+
+template <int ROWS, bool ACCUMULATE, bool STREAM>
+void strip(const WeightGrad& p, int64_t r) {
+  const float* a = p.a + r;
+  float* c = p.c + r * p.ldc;
+  int64_t q = 0;
+  for (; q + 64 <= p.n; q += 64)
+    tile<ROWS, 4, false, ACCUMULATE, STREAM>(a, p.lda, p.b + q, p.ldb, c + q, p.ldc, p.k, 0xFFFF);
+  const int64_t rest = p.n - q;
+  if (rest == 0) return;
+  const int64_t vecs = (rest + 15) / 16;
+  const __mmask16 last = static_cast<__mmask16>((1u << (rest - (vecs - 1) * 16)) - 1);
+  const float* b = p.b + q;
+  switch (vecs) {
+    case 1: tile<ROWS, 1, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
+    case 2: tile<ROWS, 2, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
+    case 3: tile<ROWS, 3, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
+    default: tile<ROWS, 4, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
+  }
+}
+
+template <bool ACCUMULATE, bool STREAM>
+void rows_range(const WeightGrad& p, int64_t first, int64_t last) {
+  int64_t r = first;
+  for (; r + 6 <= last; r += 6) strip<6, ACCUMULATE, STREAM>(p, r);
+  switch (last - r) {
+    case 5: strip<5, ACCUMULATE, STREAM>(p, r); break;
+    case 4: strip<4, ACCUMULATE, STREAM>(p, r); break;
+    case 3: strip<3, ACCUMULATE, STREAM>(p, r); break;
+    case 2: strip<2, ACCUMULATE, STREAM>(p, r); break;
+    case 1: strip<1, ACCUMULATE, STREAM>(p, r); break;
+    default: break;
+  }
+  if (STREAM) _mm_sfence();
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+
+struct Linear {
+  const float* x;  // [rows, I], rows ldx apart
+  int64_t ldx;
+  const float* w;  // [O, I], rows ldw apart
+  int64_t ldw;
+  float* y;  // [rows, O], rows ldy apart
+  int64_t ldy;
+  int64_t rows, in_features;
+};
+
+constexpr int64_t kChunk = 512;  // elements of I per pass (a tile's rows of w and x in L1)
+
+// ROWS rows of x against COLS rows of w over I's elements [k0, k0 + depth); the last depth % 16
+// through masked loads (MASKED); into y, or added to it (ADD: a later chunk).
+template <int ROWS, int COLS, bool MASKED>
+void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t depth,
+                 bool add) {
+  __m512 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t whole = depth & ~int64_t{15};
+  for (int64_t k = 0; k < whole; k += 16) {
+    __m512 w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_loadu_ps(w + j * ldw + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 x_k = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
+    }
+  }
+  if (MASKED) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << (depth - whole)) - 1);
+    __m512 w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_maskz_loadu_ps(lanes, w + j * ldw + whole);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 x_k = _mm512_maskz_loadu_ps(lanes, x + i * ldx + whole);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) {
+      const float sum = _mm512_reduce_add_ps(acc[i][j]);
+      y[i * ldy + j] = add ? y[i * ldy + j] + sum : sum;
+    }
+}
+
+template <int COLS, bool MASKED>
+void linear_strip(const Linear& p, int64_t o, int64_t k0, int64_t depth) {
+  const float* w = p.w + o * p.ldw + k0;
+  const bool add = k0 > 0;
+  int64_t r = 0;
+  for (; r + 4 <= p.rows; r += 4)
+    linear_tile<4, COLS, MASKED>(p.x + r * p.ldx + k0, p.ldx, w, p.ldw, p.y + r * p.ldy + o, p.ldy, depth, add);
+  const float* x = p.x + r * p.ldx + k0;
+  float* y = p.y + r * p.ldy + o;
+  switch (p.rows - r) {
+    case 3: linear_tile<3, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add); break;
+    case 2: linear_tile<2, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add); break;
+    case 1: linear_tile<1, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add); break;
+    default: break;
+  }
+}
+
+template <bool MASKED>
+void linear_strips(const Linear& p, int64_t first, int64_t last, int64_t k0, int64_t depth) {
+  int64_t o = first;
+  for (; o + 6 <= last; o += 6) linear_strip<6, MASKED>(p, o, k0, depth);
+  switch (last - o) {
+    case 5: linear_strip<5, MASKED>(p, o, k0, depth); break;
+    case 4: linear_strip<4, MASKED>(p, o, k0, depth); break;
+    case 3: linear_strip<3, MASKED>(p, o, k0, depth); break;
+    case 2: linear_strip<2, MASKED>(p, o, k0, depth); break;
+    case 1: linear_strip<1, MASKED>(p, o, k0, depth); break;
+    default: break;
+  }
+}
+
+// w's rows [first, last), strips of 6 rows, each strip chunk by chunk of I.
+void linear_range(const Linear& p, int64_t first, int64_t last) {
+  for (int64_t o = first; o < last; o += 6) {
+    const int64_t o1 = std::min(last, o + 6);
+    for (int64_t k0 = 0; k0 < p.in_features; k0 += kChunk) {
+      const int64_t depth = std::min(kChunk, p.in_features - k0);
+      if (depth % 16) linear_strips<true>(p, o, o1, k0, depth);
+      else linear_strips<false>(p, o, o1, k0, depth);
+    }
+  }
+}
+
+void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
+  if (p.accumulate) rows_range<true, false>(p, first, last);
+  else if (p.stream) rows_range<false, true>(p, first, last);
+  else rows_range<false, false>(p, first, last);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// 1 where the kernel runs on this CPU (AVX-512 F/BW/VL, enabled by the OS), else 0 (then the
+// entry point returns -1).
+extern "C" int moe_ffn_avx512_ready() { return ready() ? 1 : 0; }
+
+// c = aᵀ·b (c += aᵀ·b with `accumulate`) for float32 a [k, m], b [k, n], c [m, n] (row strides
+// in elements, last dims contiguous); with `stream` (not accumulating) c's whole 64-byte lines
+// are written with streaming stores. Threads and the runtime's entry points as in
+// _small_gemm.cpp. Returns 0, or -1 for arguments it does not take (c untouched).
+extern "C" int moe_ffn_avx512_weight_grad_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                              int64_t ldc, int64_t k, int64_t m, int64_t n, int accumulate,
+                                              int stream, int threads, void* parallel, void* thread_num,
+                                              void* num_threads) {
+  if (!ready() || k < 0 || m < 0 || n < 0 || threads < 1 || (accumulate && stream)) return -1;
+  const WeightGrad p{a, lda, b, ldb, c, ldc, k, m, n, accumulate != 0, stream != 0};
+  // at least 24 rows of c a thread
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, m / 24));
+  on_team(make_team(parallel, thread_num, num_threads), count, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(m, 6, t, parts, &first, &last);
+    run_rows(p, first, last);
+  });
+  return 0;
+}
+
+// y = x·wᵀ for float32 x [rows, I], w [O, I], y [rows, O] (row strides in elements, last dims
+// contiguous); threads and the runtime's entry points as above. Returns 0, or -1 for arguments
+// it does not take (y untouched).
+extern "C" int moe_ffn_avx512_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                                         int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
+                                         int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (!ready() || rows < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
+  const Linear p{x, ldx, w, ldw, y, ldy, rows, in_features};
+  // at least 24 rows of w a thread
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
+  on_team(make_team(parallel, thread_num, num_threads), count, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(out_features, 6, t, parts, &first, &last);
+    linear_range(p, first, last);
+  });
+  return 0;
+}
