@@ -79,31 +79,9 @@ bool ready() {
   return usable;
 }
 
-// Scratch memory of the calling thread, kept from call to call (its packed operands are a few
-// hundred KiB to a few MiB; allocating and faulting them in anew cost as much as a small
-// product). Grown to the largest size asked for, freed when the thread ends. Not zeroed.
-class Scratch {
- public:
-  ~Scratch() { std::free(data_); }
-  // `elements` uint16_t, 64-byte aligned, or null where the allocation failed.
-  uint16_t* get(size_t elements) {
-    const size_t bytes = (elements * sizeof(uint16_t) + 63) / 64 * 64 + 64;
-    if (bytes > size_) {
-      std::free(data_);
-      data_ = static_cast<uint16_t*>(std::aligned_alloc(64, bytes));
-      size_ = data_ ? bytes : 0;
-    }
-    return data_;
-  }
-
- private:
-  uint16_t* data_ = nullptr;
-  size_t size_ = 0;
-};
-
+// The packed operands live in the calling thread's scratch memory (_team.h), in uint16_t.
 uint16_t* scratch(size_t elements) {
-  thread_local Scratch arena;
-  return arena.get(elements);
+  return static_cast<uint16_t*>(moe_ffn_team::thread_scratch(elements * sizeof(uint16_t)));
 }
 
 // Where results go: float32 or bf16 (bits), rows ld elements apart.

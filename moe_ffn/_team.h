@@ -1,9 +1,11 @@
-// Running a body on torch's OpenMP team, shared by moe_ffn's CPU kernels (_small_gemm.cpp,
-// _amx.cpp; why torch's team and not threads of our own: _small_gemm.cpp's header).
+// What moe_ffn's CPU kernels (_small_gemm.cpp, _amx.cpp, _avx512.cpp) share: running a body on
+// torch's OpenMP team (why torch's team and not threads of our own: _small_gemm.cpp's header),
+// and the calling thread's scratch memory.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 namespace moe_ffn_team {
 
@@ -44,6 +46,27 @@ inline void share(int64_t units, int64_t step, int64_t t, int64_t count, int64_t
   const int64_t steps = (units + step - 1) / step;
   *first = std::min(units, steps * t / count * step);
   *last = std::min(units, steps * (t + 1) / count * step);
+}
+
+// Scratch memory of the calling thread, kept from call to call: a kernel's packed operands are
+// a few hundred KiB to a few MiB, and allocating them anew (fresh pages, faulted in as they
+// are first written) cost as much as a small product. `bytes` at 64-byte alignment, not
+// zeroed, valid until the thread's next call; grown to the largest size asked for, freed when
+// the thread ends. Null where the allocation failed.
+inline void* thread_scratch(size_t bytes) {
+  struct Arena {
+    void* data = nullptr;
+    size_t size = 0;
+    ~Arena() { std::free(data); }
+  };
+  thread_local Arena arena;
+  const size_t rounded = (bytes + 63) / 64 * 64 + 64;
+  if (rounded > arena.size) {
+    std::free(arena.data);
+    arena.data = std::aligned_alloc(64, rounded);
+    arena.size = arena.data ? rounded : 0;
+  }
+  return arena.data;
 }
 
 }  // namespace moe_ffn_team
