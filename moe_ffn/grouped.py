@@ -638,24 +638,33 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # Elementwise work (the activation and its gradient) runs over groups of consecutive experts'
 # rows rather than per expert: one call per group instead of one per expert (E = 64 experts of
 # a few rows each made the per-call cost dominate), while the group's temporaries stay bounded
-# (about this many elements per [rows, H] temporary) instead of spanning all N rows.
-_GROUP_ELEMENTS = 1 << 22
+# (about _GROUP_ELEMENTS elements per [rows, H] temporary) instead of spanning all N rows.
+# A block is never cut to fit a group, only past _PIECE_ELEMENTS (see _groups). 2^20, where it
+# was 2^22 for both (forward+backward, A/B in one process, 9 rounds, 2-core Xeon), working
+# memory / time at T = 256 and 2048: fine-grained bf16 28.0 → 17.7 and 101.8 → 71.8 MiB, fp32
+# 33.4 → 24.7 and 136.6 → 88.9 MiB, Mixtral bf16 25.6 → 16.1 MiB at T=256, fp32 45.0 → 26.1
+# (at T=2048 Mixtral's blocks are larger than either budget: level), times within 0.98–1.03×;
+# cutting blocks to the smaller budget too made Mixtral slower (bf16 T=2048 200.1 → 293.6 ms:
+# four weight-gradient pieces per expert), hence two budgets.
+_GROUP_ELEMENTS = 1 << 20
+_PIECE_ELEMENTS = 1 << 22
 
 
 def _groups(
     blocks: list[tuple[int, int, int]], width: int, split: bool
 ) -> list[list[tuple[int, int, int]]]:
-    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows.
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
+    larger than that is a group of its own).
 
-    split: a block longer than that is first cut into pieces of at most that many rows (the
-    same expert on consecutive row ranges), so that no temporary outgrows the budget: at
-    large T a whole expert's [rows, H] temporaries were fresh 50–120 MiB allocations, faulted
-    in page by page on every call. Callers that split accumulate an expert's weight gradient
-    over its pieces; they split only where the gradient is kept in the compute dtype (a bf16
-    gradient summed piece by piece would be rounded once per piece).
+    split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
+    most that many rows (the same expert on consecutive row ranges), so that no temporary
+    outgrows the budget: at large T a whole expert's [rows, H] temporaries were fresh 50–120
+    MiB allocations, faulted in page by page on every call. Callers that split accumulate an
+    expert's weight gradient over its pieces; they split only where the gradient is kept in the
+    compute dtype (a bf16 gradient summed piece by piece is rounded once per piece).
     """
     if split:
-        most = max(1, _GROUP_ELEMENTS // max(1, width))
+        most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     groups, current, rows = [], [], 0
     for block in blocks:

@@ -138,6 +138,7 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     from moe_ffn import grouped
 
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 8)
+    monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 8)
     pieces = grouped._groups([(0, 0, 3), (2, 3, 4)], 8, split=True)
     assert pieces == [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)], [(2, 3, 4)]]
     assert grouped._groups([(0, 0, 3)], 8, split=False) == [[(0, 0, 3)]]
@@ -152,6 +153,7 @@ def test_first_projection_runs_over_whole_blocks_when_the_rest_is_cut(monkeypatc
     first weight in one product (cutting that GEMM cost ~7 %); the down projection goes piece
     by piece. Outputs: the float64 loop, as in the test above."""
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 2 * 8)  # H = 8: pieces of 2 rows
+    monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 2 * 8)
     seen = []
     real = grouped._linear_into
     monkeypatch.setattr(
@@ -391,6 +393,7 @@ def test_thin_weight_gradients_as_outer_products_match_float64(monkeypatch):
     assert sorted(set(calls)) == [(3, False), (4, False)]
     calls.clear()
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 2 * 2 * 128)  # pieces of 2 rows
+    monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 2 * 2 * 128)
     _float32_blocks_match_float64(torch.tensor([1, 3, 0, 4]), 256, 128, bias=True)
     assert sorted(set(calls)) == [(2, False), (2, True)]
 
