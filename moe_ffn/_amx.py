@@ -19,7 +19,13 @@ torch's bf16 GEMM → this kernel:
                      1144–1491 → 1558–1761, 512 rows 1519–1697 → 1872–2147; 1024 rows mixed
                      (1236–1753 against 1302–1534)
 
-hence the row limits below. Large bf16 weight gradients (≥ 2^21 elements) are written with
+hence the row limits below, moved after the layer's own A/B (forward, or forward+backward,
+interleaved in one process, 9 rounds): the forward from 192 to 320 rows (fine-grained bf16
+forward T = 2048, ~256-row blocks: 71.3 → 66.0 ms; Mixtral T = 1024 38.4 → 35.5; level at
+T = 2048, 512-row blocks, where sending those too lost: 65.3 → 69.3), input gradients
+through the fine-grained shape's weights (≤ 2^20 elements) to 320 rows (fine-grained bf16
+forward+backward T = 2048: 233.8 → 220.2 ms; through Mixtral's 2^21–2^23-element weights
+256-row blocks lost: 123.3 → 127.0 at T = 1024). Large bf16 weight gradients (≥ 2^21 elements) are written with
 streaming stores (_amx.cpp's kStreamElements says why).
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
@@ -44,8 +50,10 @@ from torch import Tensor
 
 from moe_ffn import _memory, _small_gemm
 
-FORWARD_MAX_ROWS = 192
+FORWARD_MAX_ROWS = 320
 INPUT_GRAD_MAX_ROWS = 128
+# ... and to 320 rows through weights of at most 2^20 elements (fine-grained experts').
+INPUT_GRAD_SMALL_WEIGHT = (320, 1 << 20)
 WEIGHT_GRAD_MAX_ROWS = 512
 
 
@@ -128,9 +136,10 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
     into `out` [rows, I] or a new tensor; None where it does not run (`out` untouched)."""
     w = w_t.t()
     rows, (O, I) = g.shape[0], w.shape
+    most = INPUT_GRAD_SMALL_WEIGHT[0] if O * I <= INPUT_GRAD_SMALL_WEIGHT[1] else INPUT_GRAD_MAX_ROWS
     if not (
         _bf16(g, w) and (out is None or _bf16(out))
-        and 0 < rows <= INPUT_GRAD_MAX_ROWS and O % 32 == 0 and I % 32 == 0 and O > 0 and I > 0
+        and 0 < rows <= most and O % 32 == 0 and I % 32 == 0 and O > 0 and I > 0
     ):
         return None
     openmp = _openmp((g, w), out)

@@ -71,12 +71,14 @@ def test_forward_matches_float64(rows, shape):
     assert _untouched(wide, O)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS])
-@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (2048, 2048)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS, _amx.INPUT_GRAD_SMALL_WEIGHT[0]])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (1024, 1024), (2048, 2048)])
 def test_input_grad_matches_float64(rows, shape):
     """(2048, 2048): w's depth in chunks (partial sums carried from chunk to chunk)."""
     _needs_amx()
     O, I = shape
+    if rows > _amx.INPUT_GRAD_MAX_ROWS and O * I > _amx.INPUT_GRAD_SMALL_WEIGHT[1]:
+        rows = _amx.INPUT_GRAD_MAX_ROWS
     g, w = _strided(rows, O), _strided(O, I)
     out, wide = _margins(rows, I)
     y = _amx.input_grad(g, w.t(), out=out)
@@ -167,7 +169,9 @@ def test_entry_points_decline_what_they_do_not_take():
     g = torch.randn(4, 32, dtype=bf16)
     assert _amx.input_grad(g.float(), w.float().t()) is None
     assert _amx.input_grad(g[:, :16], w[:16].t()) is None  # O = 16: not a multiple of 32
-    assert _amx.input_grad(torch.randn(_amx.INPUT_GRAD_MAX_ROWS + 1, 32, dtype=bf16), w.t()) is None
+    assert _amx.input_grad(torch.randn(_amx.INPUT_GRAD_SMALL_WEIGHT[0] + 1, 32, dtype=bf16), w.t()) is None
+    big_w = torch.randn(1024, 1056, dtype=bf16)  # past INPUT_GRAD_SMALL_WEIGHT's elements: the smaller limit
+    assert _amx.input_grad(torch.randn(_amx.INPUT_GRAD_MAX_ROWS + 1, 1024, dtype=bf16), big_w.t()) is None
     grad = torch.full((32, 64), 7.0, dtype=bf16)
     assert not _amx.weight_grad_into(grad[:, :48], g.t(), x[:, :48])  # n = 48: not a multiple of 32
     assert not _amx.weight_grad_into(grad, torch.randn(_amx.WEIGHT_GRAD_MAX_ROWS + 1, 32, dtype=bf16).t(),
