@@ -269,6 +269,8 @@ void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t 
     }
 }
 
+constexpr int64_t kRowChunkBytes = int64_t{1} << 19;  // packed rows of x per chunk (in L2)
+
 int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
            int64_t out_features, int64_t in_features, int threads, const Team& team) {
   if (!ready() || rows < 1 || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 ||
@@ -289,10 +291,14 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
     if (first >= last) return;
     configure_tiles();
     alignas(64) float tiles[1024];
+    // the block's rows in chunks whose packed part stays in L2 while every row tile of w
+    // passes over it (w is read again for each chunk)
+    const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);
+    for (int64_t mb0 = 0; mb0 < blocks; mb0 += chunk_blocks)
     for (int64_t ot = first; ot < last; ot += 2) {
       const int at = static_cast<int>(std::min<int64_t>(2, last - ot));
       const Operand a{w + ot * 16 * ldw, ldw * 2, 16 * ldw, 32};
-      for (int64_t mb = 0; mb < blocks; mb += 2) {
+      for (int64_t mb = mb0; mb < std::min(blocks, mb0 + chunk_blocks); mb += 2) {
         const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
         const Operand b{xp + mb * in_features * 16, 64, in_features * 16, 512};
         run_block(at, bt, a, b, steps, tiles);

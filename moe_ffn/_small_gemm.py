@@ -394,12 +394,18 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
 # from a few dozen rows well under its rate (aᵀ·b with k = 16–96: the 2-core Xeon, the
 # benchmark's four expert weights, 8 in turn into memory written before, 9 interleaved
 # rounds, GFLOP/s MKL → this kernel: 16 rows 102–173 → 113–206, 64 rows 177–200 → 247–278; at
-# 128 rows level (261–267 → 183–275), at 256 behind (298–320 → 141–289)); from 16 rows to
-# AVX512_WEIGHT_GRAD_ROWS it runs them. Outputs of at least 2^22 elements from up to 32 rows
-# are written with streaming stores (7168×1024 from 16 rows: 155 → 206 GFLOP/s; smaller
-# outputs, or more rows, lost with them: 1024×1024 from 16 rows 139 → 96).
-AVX512_WEIGHT_GRAD_ROWS = (16, 96)
-_STREAM_ELEMENTS, _STREAM_MAX_ROWS = 1 << 22, 32
+# 128 rows level (261–267 → 183–275), at 256 behind (298–320 → 141–289)), and from fewer rows
+# the layer's other paths (outer products, sliced sgemm) write the gradient in two or more
+# passes, where the kernel stores each element once: it runs 1 to AVX512_WEIGHT_GRAD_ROWS rows.
+# Outputs of at least 2^19 elements are written with streaming stores (past the caches: the
+# optimizer reads the gradient next). fp32 forward+backward, interleaved A/B in one process
+# (11 rounds), the layer's paths / the kernel from 16 rows / from 1 row with streaming from
+# 2^19 elements: fine-grained T=1 6.89 / 7.18 / 5.48 ms, T=16 72.7 / 62.9 / 51.8, T=64 94.2 /
+# 97.4 / 84.1; Mixtral T=1 11.0 / 9.0 / 7.8, T=16 51.4 / 47.1 / 44.0 (the kernel from 16 rows
+# streamed from 2^22 elements and 32 rows only); streaming from 2^17 elements, or only up to
+# 32 rows, was level with these (fine T=256 127.8 / 129.5 / 126.2 ms).
+AVX512_WEIGHT_GRAD_ROWS = (1, 96)
+_STREAM_ELEMENTS = 1 << 19
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,10 +483,7 @@ def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: boo
         raise ValueError(
             f"avx512_weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    stream = (
-        not accumulate and k <= _STREAM_MAX_ROWS and out.numel() >= _STREAM_ELEMENTS
-        and out.data_ptr() % 64 == 0 and out.stride(0) % 16 == 0
-    )
+    stream = not accumulate and out.numel() >= _STREAM_ELEMENTS and out.data_ptr() % 64 == 0 and out.stride(0) % 16 == 0
     status = fn(
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), k, m, n,
         int(accumulate), int(stream), torch.get_num_threads(), *kernel[1],

@@ -451,12 +451,13 @@ def _needs_avx512_kernel():
         pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
 
 
-@pytest.mark.parametrize("rows", [16, 17, 33, 64, 96])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (2048, 2048)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 96])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (1024, 512)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
     """aᵀ·b over `rows` rows into a slice of a wider tensor (margins untouched), or added to
-    what it holds; (2048, 2048) from up to 32 rows: stored with streaming stores."""
+    what it holds; (1024, 512) not accumulating: stored with streaming stores (a slice with a
+    row stride of 16 floats' multiple), and again into a tensor of its own (aligned)."""
     _needs_avx512_kernel()
     m, n = shape
     a, b = _strided(rows, m), _strided(rows, n)
@@ -470,6 +471,10 @@ def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
     bound = _bound(a.double().abs().t(), b.double().abs(), rows + 1) + (0 if init is None else (rows + 3) * U * init.double().abs())
     assert ((out.double() - exact).abs() <= bound).all()
     assert wide[:, :4].isnan().all() and wide[:, n + 4 :].isnan().all()
+    if not accumulate:
+        own = torch.empty(m, n)
+        assert _small_gemm.avx512_weight_grad_into(own, a.t(), b)
+        assert torch.equal(own, out)
 
 
 @pytest.mark.parametrize("rows", [9, 12, 17, 33, 64])
@@ -505,10 +510,10 @@ def test_avx512_weight_grad_declines_what_it_does_not_take():
     _needs_avx512_kernel()
     lo, hi = _small_gemm.AVX512_WEIGHT_GRAD_ROWS
     out = torch.full((8, 32), 7.0)
-    for rows in (lo - 1, hi + 1):
+    for rows in (hi + 1,):
         assert not _small_gemm.avx512_weight_grad_into(out, torch.randn(rows, 8).t(), torch.randn(rows, 32))
     assert not _small_gemm.avx512_weight_grad_into(out.double(), torch.randn(lo, 8).double().t(), torch.randn(lo, 32).double())
-    assert not _small_gemm.avx512_weight_grad_into(out, torch.randn(8, lo), torch.randn(lo, 32))  # a's rows not contiguous
+    assert not _small_gemm.avx512_weight_grad_into(out, torch.randn(8, lo + 1), torch.randn(lo + 1, 32))  # a's rows not contiguous
     assert bool((out == 7).all())
     with pytest.raises(ValueError, match="do not fit"):
         _small_gemm.avx512_weight_grad_into(out, torch.randn(lo, 8).t(), torch.randn(lo, 31))
@@ -706,20 +711,29 @@ def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
     assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
 
 
-def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64(monkeypatch):
+@pytest.mark.parametrize("kernel", ["avx2", "avx512"])
+def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64(monkeypatch, kernel):
     """Second and third steps on the first step's weight-gradient memory (moe_ffn._memory),
     which grouped.py overwrites with the kernel where the output is large: here every
     output counts as large and every buffer is kept, so the layer's small experts take that
-    path; each step against the float64 loop."""
+    path; each step against the float64 loop. kernel "avx2": the AVX2 kernel's path (on AVX-512
+    CPUs the AVX-512 kernel takes these weight gradients first: switched off); "avx512": that
+    kernel (never reading the old gradient), on AVX-512 CPUs only."""
     _needs_kernel()
     from moe_ffn import _memory, grouped
 
+    if kernel == "avx2":
+        monkeypatch.setattr(_small_gemm, "avx512_weight_grad_into", lambda *args, **kwargs: False)
+        name = "weight_grad_into"
+    else:
+        _needs_avx512_kernel()
+        name = "avx512_weight_grad_into"
     monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: True)
     monkeypatch.setattr(_memory, "_MIN_BYTES", 0)
     monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
     ran = []
-    weight_grad_into = _small_gemm.weight_grad_into
-    monkeypatch.setattr(_small_gemm, "weight_grad_into", lambda *a, **k: ran.append(weight_grad_into(*a, **k)) or ran[-1])
+    real = getattr(_small_gemm, name)
+    monkeypatch.setattr(_small_gemm, name, lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
     moe = MoE(dim=40, hidden_dim=24, num_experts=4, top_k=2)
     try:
         for step in range(3):  # other tokens each step: stale gradients would not pass
