@@ -455,8 +455,11 @@ void pack_pairs(const uint16_t* b, int64_t ldb, int64_t rows, int64_t cols, int6
 // A bf16 c of at least this many elements is written with streaming stores (whole 64-byte
 // lines, past the caches): a weight gradient written once and read only by the optimizer.
 // 7168×1024 from 16 / 64 / 256 rows, 8 gradients in turn: 139 → 315, 516 → 991, 1596 → 1797
-// GFLOP/s; at 2^19 elements (1024×512) it lost (275 → 246 at 16 rows).
-constexpr int64_t kStreamElements = int64_t{1} << 21;
+// GFLOP/s. From 2^19 elements rather than 2^21 (the fine-grained shape's 2^19–2^20-element
+// gradients too), bf16 forward+backward, separate processes alternated twice, 11 rounds
+// each: fine-grained T = 16 49.7 / 51.9 → 42.2 / 43.2 ms, T = 64 54.5 / 57.7 → 46.3 / 47.4,
+// T = 256 67.7 / 71.4 → 61.8 / 61.2; from 2^17, level with 2^19.
+constexpr int64_t kStreamElements = int64_t{1} << 19;
 
 int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
