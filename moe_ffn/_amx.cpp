@@ -60,15 +60,8 @@ namespace {
 
 bool amx_usable() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
-  const bool amx = (d & (1u << 22)) && (d & (1u << 24));                           // AMX-BF16, AMX-TILE
-  if (!avx512 || !amx) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  const uint64_t xcr0 = (uint64_t{hi} << 32) | lo;
-  if ((xcr0 & 0xE6) != 0xE6) return false;  // SSE, AVX and AVX-512 state enabled by the OS
+  if (!moe_ffn_team::avx512_enabled() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d & (1u << 22)) && (d & (1u << 24)))) return false;  // AMX-BF16, AMX-TILE
   // Linux hands out the 8 KiB tile data state per process, on request (since 5.16).
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -554,19 +547,7 @@ inline __m512 load16(const uint16_t* at, __mmask16 mask) {  // zeros past the ma
 }
 inline void store16(uint16_t* at, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(at, mask, to_bf16(v)); }
 
-struct Swiglu {
-  const uint16_t* h;  // [rows, 2F] bf16: gate | up, rows ldh apart
-  int64_t ldh;
-  const uint16_t* da;  // [rows, F], the gradient of a (backward only)
-  int64_t ldda;
-  const float* weight;  // [rows], scales da (backward; null: 1)
-  uint16_t* a;          // [rows, F] out (null: not wanted)
-  int64_t lda;
-  uint16_t* dh;  // [rows, 2F] out (backward only)
-  int64_t lddh;
-  float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
-  int64_t features;
-};
+using Swiglu = moe_ffn_team::Swiglu<uint16_t>;
 
 // Row r, in float32, every intermediate that one of torch's bf16 ops would store rounded where
 // that op rounds it (grouped._hidden and _hidden_backward, each a native bf16 op computing in

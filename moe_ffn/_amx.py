@@ -205,11 +205,7 @@ def swiglu_backward(
     dweight[r] = Σ_f a·da before the scaling (float32, if wanted); each rounded where
     grouped._hidden_backward's bf16 ops round. None where it does not run."""
     rows, F = da.shape
-    if not (
-        _bf16(h, da)
-        and h.shape == (rows, 2 * F)
-        and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
-    ):
+    if not (_bf16(h, da) and _small_gemm.swiglu_backward_fits(h, da, weight)):
         return None
     openmp = _openmp((h, da), None)
     if openmp is None:

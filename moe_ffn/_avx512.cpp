@@ -25,7 +25,6 @@
 // Built with the package's AVX2 flags; the code between push_options and pop_options is
 // compiled for AVX-512 and runs only where moe_ffn_avx512_ready() says the CPU and OS allow.
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -39,18 +38,8 @@ using moe_ffn_team::Team;
 
 namespace {
 
-bool avx512_usable() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return false;  // F, BW, VL
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;       // OSXSAVE
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (((uint64_t{hi} << 32) | lo) & 0xE6) == 0xE6;  // SSE, AVX and AVX-512 state enabled
-}
-
 bool ready() {
-  static const bool usable = avx512_usable();
+  static const bool usable = moe_ffn_team::avx512_enabled();
   return usable;
 }
 

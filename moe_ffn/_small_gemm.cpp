@@ -661,19 +661,7 @@ inline void store_n(float* at, __m256 v, int64_t n, __m256i mask) {
   else _mm256_maskstore_ps(at, mask, v);
 }
 
-struct Swiglu {
-  const float* h;  // [rows, 2F]: gate | up, rows ldh apart
-  int64_t ldh;
-  const float* da;  // [rows, F], the gradient of a (backward only)
-  int64_t ldda;
-  const float* weight;  // [rows], scales da (backward; null: 1)
-  float* a;             // [rows, F] out (null: not wanted)
-  int64_t lda;
-  float* dh;  // [rows, 2F] out (backward only)
-  int64_t lddh;
-  float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
-  int64_t features;
-};
+using Swiglu = moe_ffn_team::Swiglu<float>;
 
 // Row r. silu(g) = g / (1 + e^-g), as torch computes it; its derivative
 // s·(1 + g·(1 − s)) with s = 1 / (1 + e^-g), as torch's silu_backward.

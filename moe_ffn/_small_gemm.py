@@ -429,9 +429,20 @@ def _avx512_entry_points():
     return linear, weight_grad
 
 
-def _avx512_weight_grad():
+def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], out: Optional[Tensor]):
+    """(the AVX-512 entry points, torch's OpenMP entry points) where the AVX-512 kernels take
+    these float32 tensors (`out` None: made by the caller) for `rows` rows within `limits`;
+    else None."""
+    tensors = inputs if out is None else (*inputs, out)
+    if not (
+        limits[0] <= rows <= limits[1]
+        and all(t.dtype == torch.float32 for t in tensors)
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    ):
+        return None
     points = _avx512_entry_points()
-    return None if points is None else points[1]
+    kernel = _kernel_for(inputs, out) if points is not None else None
+    return None if kernel is None else (points, kernel[1])
 
 
 AVX512_FORWARD_ROWS = (9, 64)
@@ -441,22 +452,16 @@ def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
     AVX512_FORWARD_ROWS rows; returns whether it ran (when False, `out` is untouched)."""
     rows = x.shape[0]
-    if not (
-        AVX512_FORWARD_ROWS[0] <= rows <= AVX512_FORWARD_ROWS[1]
-        and x.dtype == w.dtype == out.dtype == torch.float32
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    ):
+    found = _avx512_for(rows, AVX512_FORWARD_ROWS, (x, w), out)
+    if found is None:
         return False
-    points = _avx512_entry_points()
-    kernel = _kernel_for((x, w), out) if points is not None else None
-    if kernel is None:
-        return False
+    (linear, _), openmp = found
     O, I = w.shape
     if x.shape[1] != I or out.shape != (rows, O):
         raise ValueError(f"avx512_linear_into: x {tuple(x.shape)}, w {tuple(w.shape)} and out {tuple(out.shape)} do not fit")
-    status = points[0](
+    status = linear(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), out.stride(0), rows, O, I,
-        torch.get_num_threads(), *kernel[1],
+        torch.get_num_threads(), *openmp,
     )
     return status == 0
 
@@ -468,25 +473,19 @@ def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: boo
     read unless accumulating."""
     a = a_t.t()
     k = a.shape[0]
-    if not (
-        AVX512_WEIGHT_GRAD_ROWS[0] <= k <= AVX512_WEIGHT_GRAD_ROWS[1]
-        and a.dtype == b.dtype == out.dtype == torch.float32
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    ):
+    found = _avx512_for(k, AVX512_WEIGHT_GRAD_ROWS, (a, b), out)
+    if found is None:
         return False
-    fn = _avx512_weight_grad()
-    kernel = _kernel_for((a, b), out) if fn is not None else None
-    if kernel is None:
-        return False
+    (_, weight_grad), openmp = found
     m, n = a.shape[1], b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
         raise ValueError(
             f"avx512_weight_grad_into: a_t {tuple(a_t.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
     stream = not accumulate and out.numel() >= _STREAM_ELEMENTS and out.data_ptr() % 64 == 0 and out.stride(0) % 16 == 0
-    status = fn(
+    status = weight_grad(
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), k, m, n,
-        int(accumulate), int(stream), torch.get_num_threads(), *kernel[1],
+        int(accumulate), int(stream), torch.get_num_threads(), *openmp,
     )
     return status == 0
 
@@ -538,6 +537,13 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
     return a if status == 0 else None
 
 
+def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> bool:
+    """Whether h [rows, 2F], da [rows, F] and weight (None or [rows] on CPU) fit each other, as
+    the SwiGLU backward kernels (this module's and _amx's) take them."""
+    rows, F = da.shape
+    return h.shape == (rows, 2 * F) and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
+
+
 def swiglu_backward(
     h: Tensor, da: Tensor, weight: Optional[Tensor], want_a: bool, want_dweight: bool
 ) -> Optional[tuple[Optional[Tensor], Tensor, Optional[Tensor]]]:
@@ -545,11 +551,7 @@ def swiglu_backward(
     silu(gate)·up (if wanted), dh the gradient of h from da·weight[:, None] (weight None: 1),
     dweight[r] = Σ_f a·da (if wanted, before the scaling). None where the kernel does not run."""
     rows, F = da.shape
-    if not (
-        _float32(h, da)
-        and h.shape == (rows, 2 * F)
-        and (weight is None or (weight.shape == (rows,) and weight.device.type == "cpu"))
-    ):
+    if not (_float32(h, da) and swiglu_backward_fits(h, da, weight)):
         return None
     kernel = _kernel_for((h, da), None)
     if kernel is None:

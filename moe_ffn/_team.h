@@ -1,7 +1,9 @@
 // What moe_ffn's CPU kernels (_small_gemm.cpp, _amx.cpp, _avx512.cpp) share: running a body on
 // torch's OpenMP team (why torch's team and not threads of our own: _small_gemm.cpp's header),
-// and the calling thread's scratch memory.
+// the calling thread's scratch memory, the AVX-512 check, and SwiGLU's arguments.
 #pragma once
+
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -68,5 +70,35 @@ inline void* thread_scratch(size_t bytes) {
   }
   return arena.data;
 }
+
+// Whether the CPU has AVX-512 F, BW and VL and the OS saves their state (XCR0): what the
+// AVX-512 parts of _amx.cpp and _avx512.cpp need before any of their code may run.
+inline bool avx512_enabled() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return false;  // F, BW, VL
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;       // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (((uint64_t{hi} << 32) | lo) & 0xE6) == 0xE6;  // SSE, AVX and AVX-512 state enabled
+}
+
+// SwiGLU's elementwise work over rows of h = gate | up (a = silu(gate)·up, and its gradient):
+// T float for the float32 kernel (_small_gemm.cpp), uint16_t (bf16 bits) for the bf16 one
+// (_amx.cpp).
+template <typename T>
+struct Swiglu {
+  const T* h;  // [rows, 2F]: gate | up, rows ldh apart
+  int64_t ldh;
+  const T* da;  // [rows, F], the gradient of a (backward only)
+  int64_t ldda;
+  const float* weight;  // [rows], scales da (backward; null: 1)
+  T* a;                 // [rows, F] out (null: not wanted)
+  int64_t lda;
+  T* dh;  // [rows, 2F] out (backward only)
+  int64_t lddh;
+  float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
+  int64_t features;
+};
 
 }  // namespace moe_ffn_team

@@ -107,3 +107,22 @@ def assert_close_f32(actual, expected, msg=None):
     first digit."""
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 + 8 * 2.0**-24 * scale, msg=msg)
+
+
+# Sums that land on bf16 rounding boundaries, for the kernels' float32 → bf16 rounding: x · wᵀ with
+# x = [1, t, t²] (t = 2^-8, half a bf16 unit at 1) against these rows of w, each sum exact in
+# float32 (a few powers of two apart). Hand-worked: the first three round to 1, 1 + 4t, 1 + 2t.
+BF16_TIE_T = 2.0**-8
+BF16_TIE_ROWS = [
+    [1.0, 1.0, 0.0],  # 1 + t: a tie, to the even 1
+    [1.0 + 2 * BF16_TIE_T, 1.0, 0.0],  # 1 + 3t: a tie, to the even 1 + 4t
+    [1.0, 1.0, 1.0],  # 1 + t + t²: just above the tie, up
+    [-1.0, -1.0, 0.0],  # −(1 + t): to −1
+    [-1.0, -1.0, 1.0],  # −1 − t + t²: just below the tie in size, to −1
+    [(2 - 2**-7) * 2.0**127, 2.0**127, 0.0],  # bf16's largest + half its unit, finite in
+    # float32: a tie, to the even of bf16's largest (odd) and 2^128, i.e. inf
+    [float("inf"), 0.0, 0.0],
+    [float("inf"), float("-inf"), 0.0],  # inf − inf: NaN
+    [0.0, 0.0, 0.0],
+    [-0.0, 0.0, 0.0],
+]

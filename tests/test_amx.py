@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_ffn import MoE, _amx, _small_gemm
-from reference import moe_forward
+from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward
 
 U32 = 2.0**-24  # float32 unit roundoff (the kernel's sums)
 U16 = 2.0**-8  # bf16's (each result rounded once)
@@ -120,20 +120,10 @@ def test_results_round_to_nearest_even_as_torch_does():
     (to even, up and down), just off them, on infinity and NaN, for the forward and (the same
     sums over the rows) the weight gradient."""
     _needs_amx()
-    t = 2.0**-8  # half a bf16 unit at 1: 1 + t lies halfway between 1 and 1 + 2^-7
+    t = BF16_TIE_T
     x = torch.zeros(1, 32)
     x[0, :3] = torch.tensor([1.0, t, t * t])
-    rows_of_w = [
-        [1.0, 1.0, 0.0],  # 1 + t: a tie, to the even 1
-        [1.0 + 2 * t, 1.0, 0.0],  # 1 + 3t: a tie, to the even 1 + 4t
-        [1.0, 1.0, 1.0],  # 1 + t + t²: just above the tie, up
-        [-1.0, -1.0, 0.0],  # −(1 + t): to −1
-        [-1.0, -1.0, 1.0],  # −1 − t + t²: just below the tie in size, to −1
-        [(2 - 2**-7) * 2.0**127, 2.0**127, 0.0],  # a tie between bf16's largest and 2^128: inf
-        [float("inf"), 0.0, 0.0],
-        [float("inf"), float("-inf"), 0.0],  # NaN
-        [0.0, 0.0, 0.0],
-    ]
+    rows_of_w = BF16_TIE_ROWS
     w = torch.zeros(16, 32)
     w[: len(rows_of_w), :3] = torch.tensor(rows_of_w)
     assert torch.equal(w.bfloat16().float(), w), "the rows must be exact in bf16"

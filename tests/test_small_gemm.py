@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_ffn import MoE, _small_gemm
-from reference import moe_forward
+from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -172,21 +172,9 @@ def test_bf16_results_round_to_nearest_even_as_torch_does():
     float32 → bf16 conversion, on sums that are exact in float32 and land on ties (to even, up
     and down), just off them, on infinities and on NaN (x = [1, 2^-8, …] against chosen rows)."""
     _needs_kernel()
-    t = 2.0**-8  # half a bf16 unit at 1: 1 + t lies halfway between 1 and 1 + 2^-7
+    t = BF16_TIE_T
     x = torch.tensor([[1.0, t, t * t]])
-    rows_of_w = [
-        [1.0, 1.0, 0.0],  # 1 + t: a tie, to the even 1
-        [1.0 + 2 * t, 1.0, 0.0],  # 1 + 3t: a tie, to the even 1 + 4t
-        [1.0, 1.0, 1.0],  # 1 + t + t²: just above the tie, up
-        [-1.0, -1.0, 0.0],  # −(1 + t): to −1
-        [-1.0, -1.0, 1.0],  # −1 − t + t²: just below the tie in size, to −1
-        [(2 - 2**-7) * 2.0**127, 2.0**127, 0.0],  # bf16's largest + half its unit, finite in
-        # float32: a tie, to the even of bf16's largest (odd) and 2^128, i.e. inf
-        [float("inf"), 0.0, 0.0],
-        [float("inf"), float("-inf"), 0.0],  # inf − inf: NaN
-        [0.0, 0.0, 0.0],
-        [-0.0, 0.0, 0.0],
-    ]
+    rows_of_w = BF16_TIE_ROWS
     w = torch.tensor(rows_of_w).bfloat16()
     assert (w.float() == torch.tensor(rows_of_w)).all(), "the rows must be exact in bf16"
     out = torch.empty(1, len(rows_of_w), dtype=torch.bfloat16)
@@ -447,7 +435,7 @@ def test_swiglu_kernels_decline_what_they_do_not_take():
 
 
 def _needs_avx512_kernel():
-    if _small_gemm._avx512_weight_grad() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if _small_gemm._avx512_entry_points() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
 
 
