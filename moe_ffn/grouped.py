@@ -645,9 +645,16 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # 33.4 → 24.7 and 136.6 → 88.9 MiB, Mixtral bf16 25.6 → 16.1 MiB at T=256, fp32 45.0 → 26.1
 # (at T=2048 Mixtral's blocks are larger than either budget: level), times within 0.98–1.03×;
 # cutting blocks to the smaller budget too made Mixtral slower (bf16 T=2048 200.1 → 293.6 ms:
-# four weight-gradient pieces per expert), hence two budgets.
+# four weight-gradient pieces per expert), hence two budgets. Blocks are cut past 2^24
+# elements, where it was 2^22 (Mixtral's 2048-row blocks at T = 8192 were cut into four,
+# each piece's down projection a oneDNN call that reorders the whole weight again), A/B in
+# one process: forward T = 8192 bf16 249.0 → 219.2 ms, fp32 1193.2 → 1130.5; forward+backward
+# bf16 1037.4 → 952.0 (5 rounds), fp32 4125.8 → 3798.6 (3 rounds); T = 2048 level (its blocks
+# are not cut either way). Working memory of that bf16 forward+backward at T = 8192: 362 →
+# 427 MiB (the dense k·F block 336, with nn.Linear 688); Mixtral's blocks are cut from
+# 2340 rows on (T ≈ 9400), the fine-grained shape's from 16384.
 _GROUP_ELEMENTS = 1 << 20
-_PIECE_ELEMENTS = 1 << 22
+_PIECE_ELEMENTS = 1 << 24
 
 
 def _groups(
