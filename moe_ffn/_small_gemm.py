@@ -63,8 +63,8 @@ rows where torch's ops make two in the forward and seven in the backward (see th
 
 On CPUs with AVX-512 (where `ranges()` keeps the AVX2 kernel to decode-sized blocks), two
 float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–96 rows and forward
-products of 9–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`; numbers at their
-constants below). bf16 experts on CPUs with AMX go to _amx.py's kernels.
+products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `linear_blocks`
+for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's kernels.
 
 Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
@@ -314,7 +314,8 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) 
     of the kernel (its loop over the blocks in C++, where the layer's loop in Python cost ~12
     µs a block), as a new [rows, O] tensor whose rows outside the blocks are left unwritten;
     None where it does not run: float32 only, every block within `blocks_fit`. Each block's
-    sums are the ones `linear_into` forms for it."""
+    sums are the ones `linear_into` forms for it, or on AVX-512 CPUs `avx512_linear_into`, in
+    one parallel region for all blocks."""
     if not (blocks_fit(blocks) and x.dtype == w_EOI.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1):
         return None
     kernel = _kernel_for((x,), None)
@@ -326,7 +327,9 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) 
         raise ValueError(f"linear_blocks: x {tuple(x.shape)}, w {tuple(w_EOI.shape)} and blocks {blocks} do not fit")
     table = torch.tensor(blocks, dtype=torch.int64)
     y = x.new_empty(x.shape[0], O)
-    status = lib.moe_ffn_linear_blocks_f32(
+    avx512 = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), None)  # (blocks_fit bounds the rows)
+    fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
+    status = fn(
         x.data_ptr(), x.stride(0), w_EOI.data_ptr(), w_EOI.stride(0), w_EOI.stride(1), y.data_ptr(), y.stride(0),
         table.data_ptr(), len(blocks), O, I, torch.get_num_threads(), *openmp,
     )
@@ -422,6 +425,7 @@ def _avx512_entry_points():
         return None
     try:
         ready, linear, weight_grad = lib.moe_ffn_avx512_ready, lib.moe_ffn_avx512_linear_f32, lib.moe_ffn_avx512_weight_grad_f32
+        blocks = lib.moe_ffn_avx512_linear_blocks_f32
     except AttributeError:
         return None
     ready.restype = ctypes.c_int
@@ -430,8 +434,9 @@ def _avx512_entry_points():
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, ptr]
-    linear.restype = weight_grad.restype = c_int
-    return linear, weight_grad
+    blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    linear.restype = weight_grad.restype = blocks.restype = c_int
+    return linear, weight_grad, blocks
 
 
 def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], out: Optional[Tensor]):
@@ -450,13 +455,17 @@ def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], 
     return None if kernel is None else (points, kernel[1])
 
 
-# Forward products of 9–64 rows (dot products off w's rows, _avx512.cpp): per product against
+# Forward products of 1–64 rows (dot products off w's rows, _avx512.cpp): per product against
 # MKL's sgemm on x·Wᵀ (8 weights in turn, a prototype of the kernel) 183–253 against 127–194
 # GFLOP/s at 32 rows and 232–274 against 198–237 at 64; against the layer's own choices
 # (W·xᵀ to 32 rows, oneDNN past it), fp32 forward+backward A/B in the layer (9 rounds):
 # Mixtral T=64 80.1 → 73.9 ms, fine T=64 91.6 → 87.3, T=256 135.1 → 128.1, Mixtral T=256
-# level (153.1 / 152.9).
-AVX512_FORWARD_ROWS = (9, 64)
+# level (153.1 / 152.9). At 1–8 rows (decode) against the AVX2 kernel, reading 8 weights in
+# turn (GB/s): 1 row 28.5–48.0 → 29.7–47.5, 8 rows 16.8–29.8 → 21.0–34.2 (MKL 28.8–50.8 at one
+# row, 9.9–28.0 at 8); in the layer, forward, 15 rounds, with linear_blocks on it too (all
+# blocks in one parallel region): Mixtral T = 1 / 4 / 16 3.25 → 2.92, 11.91 → 10.93, 19.19 →
+# 17.03 ms; fine 1.37 → 1.33, 8.45 → 7.67, 17.48 → 16.08.
+AVX512_FORWARD_ROWS = (1, 64)
 
 
 def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
@@ -466,7 +475,7 @@ def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     found = _avx512_for(rows, AVX512_FORWARD_ROWS, (x, w), out)
     if found is None:
         return False
-    (linear, _), openmp = found
+    linear, openmp = found[0][0], found[1]
     O, I = w.shape
     if x.shape[1] != I or out.shape != (rows, O):
         raise ValueError(f"avx512_linear_into: x {tuple(x.shape)}, w {tuple(w.shape)} and out {tuple(out.shape)} do not fit")
@@ -487,7 +496,7 @@ def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: boo
     found = _avx512_for(k, AVX512_WEIGHT_GRAD_ROWS, (a, b), out)
     if found is None:
         return False
-    (_, weight_grad), openmp = found
+    weight_grad, openmp = found[0][1], found[1]
     m, n = a.shape[1], b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
         raise ValueError(

@@ -288,9 +288,9 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         cdt = out.dtype  # decode-sized block: native GEMV (see _NATIVE_LOWP_MAX_ROWS)
     if cdt != x.dtype or cdt != w.dtype:
         x, w, b = x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
-    if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)
+    if b is None and _small_gemm.avx512_linear_into(out, x, w):  # float32, AVX-512 CPUs, 1–64 rows
         return
-    if b is None and _small_gemm.avx512_linear_into(out, x, w):  # float32, AVX-512 CPUs, 9–64 rows
+    if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)
         return
     if cdt != out.dtype or (cdt == torch.float32 and x.shape[0] <= _ONEDNN_MAX_ROWS):
         out.copy_(_linear(x, w, b))
