@@ -439,16 +439,19 @@ def _avx512_entry_points():
     return linear, weight_grad, blocks
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_on_avx512() -> bool:
+    # The AVX-512 kernels run where torch's own kernels use AVX-512 (what they were measured
+    # against); a CPU with AVX-512 that torch runs at AVX2 keeps the AVX2 choices.
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], out: Optional[Tensor]):
     """(the AVX-512 entry points, torch's OpenMP entry points) where the AVX-512 kernels take
     these float32 tensors (`out` None: made by the caller) for `rows` rows within `limits`;
     else None."""
     tensors = inputs if out is None else (*inputs, out)
-    if not (
-        limits[0] <= rows <= limits[1]
-        and all(t.dtype == torch.float32 for t in tensors)
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-    ):
+    if not (limits[0] <= rows <= limits[1] and all(t.dtype == torch.float32 for t in tensors) and _torch_on_avx512()):
         return None
     points = _avx512_entry_points()
     kernel = _kernel_for(inputs, out) if points is not None else None

@@ -168,9 +168,7 @@ _SPLIT_INNER_MAX_ROWS = 2
 _AVX512_W_XT_MAX_ROWS = 32
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_on_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+_torch_on_avx512 = _small_gemm._torch_on_avx512  # (a name of its own: tests set grouped's choices apart)
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:

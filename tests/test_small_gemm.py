@@ -434,6 +434,17 @@ def test_swiglu_kernels_decline_what_they_do_not_take():
     assert _small_gemm.swiglu_backward(h, da, torch.rand(3), True, True) is None  # weight not [rows]
 
 
+@pytest.mark.skipif(not on_x86_linux_with_avx2, reason="the kernel is built for x86-64 Linux with AVX2 only")
+@pytest.mark.skipif(os.environ.get("MOE_FFN_SMALL_GEMM") == "0", reason="switched off by MOE_FFN_SMALL_GEMM=0")
+def test_avx512_kernels_run_where_torch_uses_avx512():
+    """Where torch runs its kernels at AVX-512 and the library is built, the AVX-512 kernels
+    must run: a build without them must not pass unnoticed as their tests skipping."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("torch does not run AVX-512 kernels on this CPU")
+    assert _small_gemm.library() is not None, "the kernel library did not build (test_kernel_is_built_here)"
+    assert _small_gemm._avx512_entry_points() is not None
+
+
 def _needs_avx512_kernel():
     if _small_gemm._avx512_entry_points() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
