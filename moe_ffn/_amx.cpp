@@ -17,13 +17,12 @@
 //   (x is a few rows; the weight is the bulk of the bytes). The result tiles hold yᵀ and are
 //   transposed as they are stored.
 // - input gradient: g's rows are the A operand as they lie; the weight is the B operand in pair
-//   layout, which interleaves its rows two by two: that is done for one panel of 32 of w's
-//   columns at a time (its whole depth, at most O·64 bytes, kept in L2) and reused for every row
-//   tile of g.
-// - weight gradient: the sum runs over the block's rows, so one operand is transposed (a, into
-//   tile rows of 32 sums' steps) and the other interleaved two rows by two (b); both are a few
-//   rows deep. The caller picks the narrower side as a and can have the result stored
-//   transposed (c [q, r]) so that either layout of the gradient is written row by row.
+//   layout, which interleaves its rows two by two: that is done for a chunk of w's rows over a
+//   thread's columns at a time (sized with g's part to stay in L2, partial sums carried from
+//   chunk to chunk) and reused for every row tile of g.
+// - weight gradient: the sum runs over the block's rows, so one operand is transposed (a, the
+//   output gradient, into tile rows of 32 sums' steps) and the other interleaved two rows by
+//   two (b, the input's rows); both are a few rows deep, and the gradient is written row by row.
 // Every product uses four 16×16 float32 accumulator tiles (a 32×32 block of the result), two
 // A and two B tiles: each tile loaded feeds two TDPBF16PS.
 //

@@ -262,13 +262,11 @@ def release_gradient_memory() -> None:
 # What it costs: the free mappings stay mapped between steps, at most _POOL_FREE_BYTES of them
 # (the largest ones beyond that are unmapped), until `release_gradient_memory()` is called;
 # MOE_FFN_KEEP_SCRATCH_MEMORY=0 (read once per process) turns it off. torch.profiler does not
-# see this memory: `scratch_peak_bytes()` gives the most of it in use at once, which the
-# benchmark adds to its memory numbers.
+# see this memory: the benchmark measures working memory with `scratch` made as `empty`.
 _pool_lock = threading.Lock()
 _pool: list[mmap.mmap] = []
 _POOL_FREE_BYTES = 1 << 30
 _SCRATCH_MAX_BYTES = 1 << 28  # larger temporaries are made as `empty` makes them
-_in_use_peak = [0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,7 +298,6 @@ def scratch(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tens
         for i, buffer in enumerate(_pool):
             if free[i] and size <= len(buffer) <= 2 * size and (choice is None or len(buffer) < len(_pool[choice])):
                 choice = i
-        in_use = sum(len(b) for b, f in zip(_pool, free) if not f)
         if choice is None:
             buffer = _map(size)
             if buffer is None:
@@ -309,7 +306,6 @@ def scratch(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tens
             _pool.append(buffer)
         else:
             buffer = _pool[choice]
-        _in_use_peak[0] = max(_in_use_peak[0], in_use + len(buffer))
         return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
@@ -330,13 +326,3 @@ def _trim(free: list[bool]) -> None:
             break
         _pool.remove(buffer)
         total -= len(buffer)
-
-
-def scratch_peak_bytes(reset: bool = False) -> int:
-    """The most scratch memory (mapped sizes) in use at once since the last reset; with
-    `reset`, start counting again from what is in use now."""
-    with _pool_lock:
-        peak = _in_use_peak[0]
-        if reset:
-            _in_use_peak[0] = sum(len(b) for b, f in zip(_pool, _free_flags()) if not f)
-        return peak
