@@ -40,9 +40,10 @@ kernels keep the 1–64 rows they were tuned for and the packed product takes th
 kernels ran before. At 2048 rows (a dense block's products
 at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168 GFLOP/s (5
 rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32
-weight gradients aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows where grouped.py writes them over the
-last step's gradient memory and the output outgrows the cache (see `_ACCUMULATE_ELEMENTS`
-there: MKL's overwrite clears its output in a pass of its own first).
+weight gradients aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows, every one grouped.py writes: each
+element stored once, the threads splitting the gradient's rows so that each writes its part
+row after row, large outputs by streaming stores (_small_gemm.cpp, thin_product, with the
+numbers); 1.0–2.6× torch's paths on the benchmark's weights (grouped.py, above _matmul_into).
 
 Input gradients through bf16 experts' weights (a bf16 layer's backward on CPUs without bf16
 units, computed in float32): 1–`INPUT_GRAD_ROWS[1]` rows read the bf16 weight as it is,
@@ -50,7 +51,7 @@ where torch's path first copied the whole weight to float32. bf16 forward+backwa
 interleaved A/B in one process (11 rounds), copy first / read as it is: Mixtral T=1 35.0 →
 21.0 ms, T=16 146.6 → 99.5; fine-grained T=1 11.8 → 10.6, T=16 95.9 → 90.0. And bf16
 weight gradients (from float32 products) stored by the packed product, each sum rounded once
-as it is stored (see grouped.py's _BF16_STORE_NOTE for where and the numbers). Past 64 rows
+as it is stored (numbers in grouped.py, above _matmul_into). Past 64 rows
 (to `PACKED_MAX_ROWS`), bf16 forward products without bias and input gradients run on the
 packed product with the bf16 weight widened while it is packed, where torch's path copied the
 whole weight to float32 first (the forward's float32 result is rounded into out once).
@@ -97,7 +98,7 @@ from moe_ffn import _memory
 MAX_ROWS = 64
 INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
-WEIGHT_GRAD_MAX_ROWS = 128
+WEIGHT_GRAD_MAX_ROWS = 512
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
 

@@ -298,38 +298,40 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         torch.addmm(b, x, w.t(), out=out)
 
 
+# Weight gradients on x86 CPUs: float32 ones from 1–512 rows (bf16 ones from float32 products
+# likewise) go to moe_ffn's kernel first (_small_gemm.weight_grad_into on AVX2 CPUs,
+# avx512_weight_grad_into on AVX-512 ones, _amx for bf16 on AMX CPUs), which stores each
+# element of the gradient once, row after row, large ones past the caches, whether the memory
+# holds zeros (fresh) or an old gradient (kept, `_memory`). On the 2-core AVX2 EPYC
+# (`profiling/kernel_headroom.py`, the benchmark's four expert weights, GFLOP/s torch's paths
+# below → the kernel): 1–4 rows 3.2–12.7 → 5.0–31.3, 16–64 rows 32.8–94.5 → 49.3–117.8, 256–512
+# rows 87–127 → 91–133 (fine-grained 1024×512 at 256 rows 104 → 95, at 512 level). Layer,
+# fp32 forward+backward, interleaved A/B (11 rounds, against the routing below, which sent
+# only outputs past _ACCUMULATE_ELEMENTS written over an old gradient to the kernel, whose
+# threads then split the columns): Mixtral T=1 39.9 → 20.6 ms, T=16 166.0 → 105.1, T=256
+# 442.4 → 427.9, T=2048 2743.9 → 2559.2 (5 rounds); fine-grained T=1 17.7 → 15.3, T=16 126.4 →
+# 108.0, T=256 333.2 → 329.8, T=2048 level; bf16 Mixtral T=1 30.8 → 23.1, T=16 120.3 → 98.8;
+# fine-grained bf16 T=1 25.1 → 20.5, T=16 150.7 → 126.9, T=256 440.8 → 375.4 (9 rounds).
+#
+# Elsewhere (no kernel built, MOE_FFN_SMALL_GEMM=0, more rows, float64) torch's kernels write
+# them as follows, as measured on the 2-core EPYC before the kernel took them:
 _SLICED_MM_MAX_INNER = 32
 _SLICED_MM_ELEMENTS = 1 << 20
 # Outputs larger than this are written by accumulating onto their zeros: asked to overwrite
 # (beta = 0), MKL's sgemm first clears the output in a pass of its own, and for a weight
 # gradient that outgrows the cache that pass is a fifth of the product (7168×1024 from 64
-# rows: 15.0 → 12.4 ms into fresh memory). Measured on the 2-core EPYC, Mixtral fp32
-# forward+backward at T = 256: 600 → 473 ms (A/B, same process); at the fine-grained shape's
-# 2^19–2^20-element gradients, which stay in cache, overwriting is as fast or faster.
+# rows: 15.0 → 12.4 ms into fresh memory). Mixtral fp32 forward+backward at T = 256: 600 →
+# 473 ms (A/B, same process); at the fine-grained shape's 2^19–2^20-element gradients, which
+# stay in cache, overwriting is as fast or faster.
 _ACCUMULATE_ELEMENTS = 1 << 21
 # Weight gradients from 2–4 rows whose output stays in cache are written as a sum of outer
 # products (one elementwise pass per row) instead of by sgemm, which writes a 1024×1024
 # gradient from a few rows at ~5 GB/s. Fine-grained fp32 forward+backward at T = 16 (blocks of
-# ~2 rows), A/B in one process on the 2-core EPYC: 231 → 216, 256 → 246, 208 → 203 ms. Larger
-# outputs (Mixtral's 7168×1024 from 4 rows: 214 → 227 ms) lose, as each row's pass then goes
-# to memory; one row is left to sgemm, whose single pass into fresh memory was steadier.
+# ~2 rows), A/B in one process: 231 → 216, 256 → 246, 208 → 203 ms. Larger outputs (Mixtral's
+# 7168×1024 from 4 rows: 214 → 227 ms) lose, as each row's pass then goes to memory; one row
+# is left to sgemm, whose single pass into fresh memory was steadier.
 _OUTER_INNER = (2, 4)
 _OUTER_MAX_ELEMENTS = 1 << 21
-# Weight gradients written over an old one (memory kept from the last step, `_memory`) with
-# outputs past _ACCUMULATE_ELEMENTS go to our own kernel (_small_gemm.weight_grad_into), which
-# stores each element once where MKL's overwrite path first clears its output. Mixtral fp32
-# forward+backward at T = 256, interleaved A/B, 11 rounds: 436 → 409 ms; T = 16 level. Into
-# fresh memory the kernel won nothing (weight-gradient time within a step: Mixtral T=256
-# 193–198 against torch's 203 ms, fine-grained 141 against 122), and smaller outputs, which
-# stay in cache, are as fast on sgemm.
-
-
-# _BF16_STORE_NOTE: a bf16 weight gradient of more than _ACCUMULATE_ELEMENTS goes to our
-# kernel, which rounds each fp32 sum as it stores it, where torch's path writes fp32 slices
-# and rounds them into `out` in a second pass. bf16 forward+backward, interleaved A/B, 11
-# rounds: Mixtral T=1 25.9 → 21.2 ms, T=16 99.9 → 60.5. The fine-grained shape's smaller
-# gradients (≤ 2^20 elements, from ~2 rows at T=16) ran slower on it (83.0 → 90.5 ms) and
-# stay on torch's path.
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, overwrite: bool = False) -> None:
@@ -345,13 +347,8 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
             return  # AMX CPUs (see _amx); old contents are not read unless accumulating
         if _small_gemm.avx512_weight_grad_into(out, a, b, accumulate):
             return  # float32 on AVX-512 CPUs, 16–96 rows (see _small_gemm); likewise
-        if (
-            overwrite
-            and not accumulate
-            and out.numel() > _ACCUMULATE_ELEMENTS
-            and _small_gemm.weight_grad_into(out, a, b)
-        ):
-            return
+        if _small_gemm.weight_grad_into(out, a, b, accumulate):
+            return  # float32 on AVX2 CPUs (see _small_gemm); old contents are not read unless accumulating
         if (
             _OUTER_INNER[0] <= a.shape[1] <= _OUTER_INNER[1]
             and out.numel() <= _OUTER_MAX_ELEMENTS
@@ -374,8 +371,8 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
         return
     if accumulate:
         raise ValueError(f"accumulating a {a.dtype} product into {out.dtype} would round once per call")
-    if out.numel() > _ACCUMULATE_ELEMENTS and _small_gemm.weight_grad_into(out, a, b):
-        return  # bf16 stored as each fp32 sum is formed (see _BF16_STORE_NOTE)
+    if _small_gemm.weight_grad_into(out, a, b):
+        return  # bf16 stored as each fp32 sum is formed, where the slices below round in a second pass
     rows = max(1, (1 << 22) // max(1, out.shape[1]))  # ≤ 16 MiB of fp32 per slice
     for start in range(0, out.shape[0], rows):
         out[start : start + rows] = a[start : start + rows] @ b

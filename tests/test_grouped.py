@@ -386,8 +386,10 @@ def test_float32_decode_sized_blocks_match_float64(bias):
 def test_thin_weight_gradients_as_outer_products_match_float64(monkeypatch):
     """Weight gradients from 2–4 rows are sums of outer products (grouped._OUTER_INNER), also
     when an expert's block is cut into 2-row pieces whose gradients accumulate: float64 loop.
-    (On AVX-512 CPUs moe_ffn's AVX-512 kernel takes these first: switched off here.)"""
+    (Where moe_ffn's kernels are built they take these first, as where they are not built
+    this path runs: switched off here.)"""
     monkeypatch.setattr(grouped._small_gemm, "avx512_weight_grad_into", lambda *args, **kwargs: False)
+    monkeypatch.setattr(grouped._small_gemm, "weight_grad_into", lambda *args, **kwargs: False)
     calls = []
     real = grouped._outer_products_into
     monkeypatch.setattr(grouped, "_outer_products_into", lambda out, a, b, acc: calls.append((a.shape[1], acc)) or real(out, a, b, acc))

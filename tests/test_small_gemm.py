@@ -41,10 +41,10 @@ def _every_range(request, monkeypatch):
 @pytest.mark.parametrize(
     "capability, bf16_units, expected",
     [
-        ("AVX2", False, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=512)),
+        ("AVX2", False, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=512, bf16=512)),
         ("AVX512", False, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=512)),
         ("AVX512", True, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=2)),
-        ("AVX2", True, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=128, bf16=2)),
+        ("AVX2", True, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=512, bf16=2)),
     ],
 )
 def test_ranges_follow_the_cpu(monkeypatch, capability, bf16_units, expected):
@@ -245,13 +245,14 @@ def test_input_grad_on_bf16_weights_declines_past_the_packed_rows():
     assert _small_gemm.input_grad(torch.randn(4, 16).bfloat16(), w.t()) is None  # g must be float32
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (97, 40), (130, 200), (300, 1000)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128, 300, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (97, 40), (130, 200), (193, 7), (300, 1000)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_weight_grad_matches_float64(rows, shape, accumulate):
-    """c = aᵀ·b (+ c) over tiles of 6 rows by 16 columns, the last ones partial; c a slice of
-    a wider tensor whose other columns stay untouched; without `accumulate` c's old contents
-    (NaN here) are never read."""
+    """c = aᵀ·b (+ c) over tiles of 6 rows by 16 columns, the last ones partial, the threads
+    splitting c's columns (up to 192 rows of c) or its rows (more); c a slice of a wider
+    tensor whose other columns stay untouched; without `accumulate` c's old contents (NaN
+    here) are never read."""
     _needs_kernel()
     M, N = shape
     a, b = _strided(rows, M), _strided(rows, N)
@@ -267,8 +268,8 @@ def test_weight_grad_matches_float64(rows, shape, accumulate):
     assert wide[:, :3].isnan().all() and wide[:, N + 3 :].isnan().all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 64, 128])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (130, 200), (300, 1000)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 64, 128, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (130, 200), (193, 7), (300, 1000)])
 def test_weight_grad_into_bf16_is_the_float32_result_rounded_once(rows, shape):
     """A bf16 `out` gets each float32 sum rounded to nearest even as it is stored: bit for bit
     the float32 kernel's result rounded by torch, the last partial vectors included, NaN kept
@@ -286,6 +287,27 @@ def test_weight_grad_into_bf16_is_the_float32_result_rounded_once(rows, shape):
     finite = ~out32.isnan()
     assert torch.equal(out[finite].view(torch.int16), out32[finite].bfloat16().view(torch.int16))
     assert (wide[:, :3] == 7).all() and (wide[:, N + 3 :] == 7).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(512, 1024), (600, 904)])
+def test_weight_grad_streamed_past_the_caches_matches_float64(rows, shape):
+    """Outputs of 2^19 elements and more, 32-byte aligned with rows a multiple of 8 floats
+    apart, are stored with streaming stores (the row split, _small_gemm.cpp): within the
+    float64 bound, and bit for bit the sums stored the ordinary way into a misaligned slice of
+    the same shape (904 columns: a partial last panel of 8, stored unstreamed)."""
+    _needs_kernel()
+    M, N = shape
+    assert M * N >= 1 << 19
+    a, b = _strided(rows, M), _strided(rows, N)
+    out = torch.full((M, N), float("nan"))
+    assert out.data_ptr() % 32 == 0
+    assert _small_gemm.weight_grad_into(out, a.t(), b)
+    ref = a.double().t() @ b.double()
+    assert ((out.double() - ref).abs() <= _bound(a.double().abs().t(), b.double().abs(), rows + 1)).all()
+    shifted = torch.full((M * N + 1,), float("nan"))[1:].view(M, N)  # 4 bytes past alignment
+    assert _small_gemm.weight_grad_into(shifted, a.t(), b)
+    assert torch.equal(shifted, out)
 
 
 def test_weight_grad_declines_what_it_does_not_take_and_leaves_out_untouched():
@@ -532,6 +554,7 @@ def _layer_against_float64(T: int, moe: MoE | None = None, seed: int = 3):
     D, F, E, K = 40, 24, 4, 2
     if moe is None:
         moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)  # float32
+    D = moe.router.weight.shape[1]  # (a given layer's own width; top-2 throughout)
     x = torch.randn(T, D, requires_grad=True)
     g = torch.randn(T, D)
     y = moe(x)
@@ -596,7 +619,11 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
             return result
         return run
 
-    monkeypatch.setattr(_small_gemm, "_product", counted("product", product))
+    def forward_or_input_grad(kernel, out, a, a_steps_are_rows, *rest, **kwargs):  # (not a weight gradient)
+        run = counted("product", product) if not a_steps_are_rows else product
+        return run(kernel, out, a, a_steps_are_rows, *rest, **kwargs)
+
+    monkeypatch.setattr(_small_gemm, "_product", forward_or_input_grad)
     monkeypatch.setattr(_small_gemm, "swiglu", counted("swiglu", swiglu))
     monkeypatch.setattr(_small_gemm, "swiglu_backward", counted("swiglu_backward", swiglu_backward))
     torch.manual_seed(11)
@@ -719,14 +746,17 @@ def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
     assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("dims", [(40, 24), (200, 104), (1024, 256)], ids=["small", "row-split", "streamed"])
 @pytest.mark.parametrize("kernel", ["avx2", "avx512"])
-def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64(monkeypatch, kernel):
+def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64(monkeypatch, kernel, dims):
     """Second and third steps on the first step's weight-gradient memory (moe_ffn._memory),
-    which grouped.py overwrites with the kernel where the output is large: here every
-    output counts as large and every buffer is kept, so the layer's small experts take that
-    path; each step against the float64 loop. kernel "avx2": the AVX2 kernel's path (on AVX-512
-    CPUs the AVX-512 kernel takes these weight gradients first: switched off); "avx512": that
-    kernel (never reading the old gradient), on AVX-512 CPUs only."""
+    which grouped.py overwrites with the kernel: here every buffer is kept and every output
+    counts as large, so the layer's small experts take that path; each step against the
+    float64 loop. kernel "avx2": the AVX2 kernel's path (on AVX-512 CPUs the AVX-512 kernel
+    takes these weight gradients first: switched off), its column split (gradients of at most
+    192 rows, "small"), its row split (more rows, "row-split") and that with streaming stores
+    (2^19 elements and more on the kept mapping, "streamed"); "avx512": that kernel (never
+    reading the old gradient), on AVX-512 CPUs only."""
     _needs_kernel()
     from moe_ffn import _memory, grouped
 
@@ -742,7 +772,7 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
     ran = []
     real = getattr(_small_gemm, name)
     monkeypatch.setattr(_small_gemm, name, lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
-    moe = MoE(dim=40, hidden_dim=24, num_experts=4, top_k=2)
+    moe = MoE(dim=dims[0], hidden_dim=dims[1], num_experts=4, top_k=2)
     try:
         for step in range(3):  # other tokens each step: stale gradients would not pass
             _layer_against_float64(12, moe, seed=step)
