@@ -333,7 +333,8 @@ def test_weight_grad_declines_what_it_does_not_take_and_leaves_out_untouched():
 
 def test_results_do_not_depend_on_the_number_of_threads():
     """Each output element is one thread's sum in one fixed order: bitwise the same on 1 and
-    2 threads (the threads split the outputs, not the sums)."""
+    2 threads (the threads split the outputs, not the sums; input gradients of 2–3 rows split
+    the sums into two parts whatever the threads)."""
     _needs_kernel()
     x, w, g = torch.randn(100, 300), torch.randn(500, 300), torch.randn(100, 500)
     h, da, weight = torch.randn(100, 600), torch.randn(100, 300), torch.rand(100)
@@ -346,7 +347,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
             assert _small_gemm.linear_into(y, x[:13], w, None) and _small_gemm.linear_into(y_packed, x, w, None)
             c = torch.empty(300, 500)
             assert _small_gemm.weight_grad_into(c, x[:9].t(), g[:9])
-            grads = _small_gemm.input_grad(g[:9], w.t()), _small_gemm.input_grad(g, w.t())
+            grads = _small_gemm.input_grad(g[:9], w.t()), _small_gemm.input_grad(g, w.t()), _small_gemm.input_grad(g[:3], w.t())
             results.append((y, y_packed, c, *grads, _small_gemm.swiglu(h), *_small_gemm.swiglu_backward(h, da, weight, True, True)))
     finally:
         torch.set_num_threads(threads)
