@@ -277,24 +277,27 @@ extern "C" int moe_ffn_avx512_linear_f32(const float* x, int64_t ldx, const floa
 }
 
 // The same product for a decode step's expert blocks in one parallel region: block i, the
-// int64 triple blocks[3i .. 3i+2] = (expert, start, stop), computes y[start:stop] =
-// x[start:stop]·w_eᵀ with expert e's weight at w + e·w_expert (row stride ldw), each block's
-// sums as moe_ffn_avx512_linear_f32 forms them; each thread takes its share of every block's
-// rows of w. Every block is checked before any is computed (-1: y untouched).
-extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t w_expert,
-                                                int64_t ldw, float* y, int64_t ldy, const int64_t* blocks,
-                                                int64_t count, int64_t out_features, int64_t in_features,
-                                                int threads, void* parallel, void* thread_num, void* num_threads) {
+// int64s blocks[4i .. 4i+3] = (expert, start, stop, unused; the table of _small_gemm.cpp's
+// blocks entry points), computes y[start:stop] = x[start:stop]·w_eᵀ with expert e < experts's
+// weight at w + e·w_expert (row stride ldw), each block's sums as moe_ffn_avx512_linear_f32
+// forms them; each thread takes its share of every block's rows of w. Every block is checked
+// before any is computed (-1: y untouched).
+extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts,
+                                                int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
+                                                const int64_t* blocks, int64_t count, int64_t out_features,
+                                                int64_t in_features, int threads, void* parallel, void* thread_num,
+                                                void* num_threads) {
   if (!ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
   for (int64_t i = 0; i < count; ++i) {
-    if (blocks[3 * i] < 0 || blocks[3 * i + 1] < 0 || blocks[3 * i + 2] < blocks[3 * i + 1]) return -1;
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1]) return -1;
   }
   const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
   on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
     int64_t first, last;
     share(out_features, 6, t, parts, &first, &last);
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t e = blocks[3 * i], start = blocks[3 * i + 1], stop = blocks[3 * i + 2];
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
       const Linear p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
       linear_range(p, first, last);
     }

@@ -892,26 +892,83 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
   return linear(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, threads, team);
 }
 
-// The same product for a decode step's expert blocks in one call: block i, the int64 triple
-// blocks[3i .. 3i+2] = (expert, start, stop), computes y[start:stop] = x[start:stop]·w_eᵀ with
-// expert e's weight at w + e·w_expert (row stride ldw), each block as moe_ffn_linear_f32
-// computes it. The layer's Python loop made one call per block (~12 µs each: 128 a step for
-// 64 experts). Every block is checked before any is computed (-1: y untouched).
-extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t w_expert,
-                                         int64_t ldw, float* y, int64_t ldy, const int64_t* blocks,
-                                         int64_t count, int64_t out_features, int64_t in_features, int threads,
-                                         void* parallel, void* thread_num, void* num_threads) {
-  if (count < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
+// The row blocks of a grouped product, each through its expert's weight, in one call: the
+// layer's loop over the experts in C++ instead of Python (~20 µs a block in the wrappers and the
+// slicing there). blocks: `count` rows of (e, start, stop, accumulate) int64s; each block runs
+// exactly the product its entry point above runs for it alone (the same sums), one parallel
+// region a block. The row counts at which the single-block paths switch to the packed
+// product (_small_gemm.py's MAX_ROWS and INPUT_GRAD_ROWS[1]):
+constexpr int64_t kUnpackedRows = 64;
+
+// block(e, start, rows, accumulate) for each block in turn, once every block was checked
+// (-1: a block out of range, nothing run); the first nonzero status a block returns.
+template <typename Block>
+int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Block& block) {
+  if (count < 0) return -1;
   for (int64_t i = 0; i < count; ++i) {
-    if (blocks[3 * i] < 0 || blocks[3 * i + 1] < 0 || blocks[3 * i + 2] < blocks[3 * i + 1]) return -1;
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1]) return -1;
   }
-  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t e = blocks[3 * i], start = blocks[3 * i + 1], stop = blocks[3 * i + 2];
-    linear(x + start * ldx, ldx, w + e * w_expert, ldw, static_cast<const float*>(nullptr), y + start * ldy, ldy,
-           stop - start, out_features, in_features, threads, team);
+    const int64_t* b = blocks + 4 * i;
+    if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0)) return status;
   }
   return 0;
+}
+
+// y[start:stop] = x[start:stop]·w[e]ᵀ for w [E, O, I] (experts w_expert apart, rows ldw apart).
+extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts,
+                                         int64_t w_expert, int64_t ldw, float* y, int64_t ldy, const int64_t* blocks,
+                                         int64_t count, int64_t out_features, int64_t in_features, int threads,
+                                         void* parallel, void* thread_num, void* num_threads) {
+  if (out_features < 0 || in_features < 0 || threads < 1) return -1;
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    const float *x_b = x + start * ldx, *w_e = w + e * w_expert;
+    float* y_b = y + start * ldy;
+    if (rows <= kUnpackedRows)
+      return linear(x_b, ldx, w_e, ldw, static_cast<const float*>(nullptr), y_b, ldy, rows, out_features, in_features,
+                    threads, team);
+    // A = x [rows, I], B = wᵀ read from w's rows
+    return product(Product{x_b, 1, ldx, w_e, 1, ldw, nullptr, nullptr, y_b, nullptr, ldy, in_features, rows, out_features},
+                   false, threads, team);
+  });
+}
+
+// y[start:stop] = g[start:stop]·w[e] for w [E, O, I]: the input gradient through each block's
+// expert (one-row blocks too, on the row split).
+extern "C" int moe_ffn_input_grad_blocks_f32(const float* g, int64_t ldg, const float* w, int64_t experts,
+                                             int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
+                                             const int64_t* blocks, int64_t count, int64_t out_features,
+                                             int64_t in_features, int threads, void* parallel, void* thread_num,
+                                             void* num_threads) {
+  if (out_features < 0 || in_features < 0 || threads < 1) return -1;
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    const float *g_b = g + start * ldg, *w_e = w + e * w_expert;
+    float* y_b = y + start * ldy;
+    if (rows <= kUnpackedRows)
+      return input_grad(g_b, ldg, w_e, ldw, y_b, ldy, rows, out_features, in_features, threads, team);
+    // A = g [rows, O], B = w [O, I]
+    return product(Product{g_b, 1, ldg, w_e, ldw, 1, nullptr, nullptr, y_b, nullptr, ldy, out_features, rows, in_features},
+                   false, threads, team);
+  });
+}
+
+// c[e] = a[start:stop]ᵀ·b[start:stop] (c[e] += … where the block's accumulate is set) for c
+// [E, M, N] (experts c_expert apart, rows ldc apart), a [rows, M], b [rows, N]: the weight
+// gradient of each block's expert.
+extern "C" int moe_ffn_weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                              int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks,
+                                              int64_t count, int64_t m, int64_t n, int threads, void* parallel,
+                                              void* thread_num, void* num_threads) {
+  if (m < 0 || n < 0 || threads < 1) return -1;
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool accumulate) {
+    const Product p{a + start * lda, lda, 1, b + start * ldb, ldb, 1, nullptr, nullptr, c + e * c_expert, nullptr,
+                    ldc, rows, m, n};
+    return product(p, accumulate, threads, team);
+  });
 }
 
 // The same product with every tensor bfloat16 (their bits): x and b are widened to float32

@@ -176,6 +176,7 @@ def library() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         linear_blocks = lib.moe_ffn_linear_blocks_f32
+        input_grad_blocks, weight_grad_blocks = lib.moe_ffn_input_grad_blocks_f32, lib.moe_ffn_weight_grad_blocks_f32
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         product_bf16b = lib.moe_ffn_product_bf16b
@@ -186,8 +187,11 @@ def library() -> Optional[ctypes.CDLL]:
     for linear in linears:
         linear.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64] + team
         linear.restype = ctypes.c_int
-    linear_blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
-    linear_blocks.restype = ctypes.c_int
+    for blocks_fn in (linear_blocks, input_grad_blocks):
+        blocks_fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+        blocks_fn.restype = ctypes.c_int
+    weight_grad_blocks.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + team
+    weight_grad_blocks.restype = ctypes.c_int
     for input_grad in input_grads:
         input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
         input_grad.restype = ctypes.c_int
@@ -304,37 +308,125 @@ BLOCKS_MAX_ROWS = 8
 
 
 def blocks_fit(blocks: list[tuple[int, int, int]]) -> bool:
-    """Whether `linear_blocks` takes these (expert, start, stop) blocks by their rows: some, and
-    each of 1 to min(BLOCKS_MAX_ROWS, this CPU's forward rows)."""
-    most = min(BLOCKS_MAX_ROWS, ranges().forward)
+    """Whether the decode path (grouped.py's _decode_projection) runs these (expert, start,
+    stop) blocks through `linear_blocks`: some, and each of 1 to min(BLOCKS_MAX_ROWS, this
+    CPU's forward rows)."""
+    return _rows_fit(blocks, min(BLOCKS_MAX_ROWS, ranges().forward))
+
+
+def _rows_fit(blocks: list[tuple[int, int, int]], most: int) -> bool:
     return bool(blocks) and all(0 < stop - start <= most for _, start, stop in blocks)
 
 
-def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> Optional[Tensor]:
-    """y[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call
-    of the kernel (its loop over the blocks in C++, where the layer's loop in Python cost ~12
-    µs a block), as a new [rows, O] tensor whose rows outside the blocks are left unwritten;
-    None where it does not run: float32 only, every block within `blocks_fit`. Each block's
-    sums are the ones `linear_into` forms for it, or on AVX-512 CPUs `avx512_linear_into`, in
-    one parallel region for all blocks."""
-    if not (blocks_fit(blocks) and x.dtype == w_EOI.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1):
+# The *_blocks entry points run a grouped product's row blocks, each through its expert's
+# weight, in one call (_small_gemm.cpp: the loop over the experts in C++), each block exactly
+# as the single-block entry point above runs it. The layer's loop in Python cost ~20 µs a
+# block and a product in the wrappers and the slicing, three to four products an expert: fine-
+# grained fp32 forward+backward at T = 16 / 256 spent ~25 / ~35 ms a step outside the kernels.
+# They take float32 tensors on CPUs where torch's kernels are AVX2 (the ranges above; on
+# AVX-512 CPUs only linear_blocks runs, for decode, on the AVX-512 kernel) and decline (None /
+# False, nothing written) otherwise; a failure once the arguments were checked (memory for the
+# kernel's packed operands) raises, since blocks already computed may have been added to.
+
+
+def _blocks_call(fn, blocks, accumulate, *args) -> None:
+    table = torch.tensor([(e, start, stop, int(acc)) for (e, start, stop), acc in zip(blocks, accumulate)], dtype=torch.int64)
+    if fn(*args[:8], table.data_ptr(), len(blocks), *args[8:]) != 0:
+        raise RuntimeError(f"{fn.__name__}: the kernel failed on {len(blocks)} blocks (out of memory?)")
+
+
+def _check_blocks(name: str, blocks, rows: int, experts: int, shapes: str) -> None:
+    if not all(0 <= e < experts and stop <= rows for e, _, stop in blocks):
+        raise ValueError(f"{name}: {shapes} and blocks {blocks} do not fit")
+
+
+def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], out: Optional[Tensor] = None) -> Optional[Tensor]:
+    """y[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
+    into `out` [rows, O] or a new tensor, rows outside the blocks left unwritten; None where it
+    does not run: float32, every block of 1 to this CPU's forward rows (`ranges()`), or on
+    AVX-512 CPUs decode-sized (`BLOCKS_MAX_ROWS`) on the AVX-512 kernel, all blocks in one
+    parallel region there. Each block's sums are the ones `linear_into` forms for it, or on
+    AVX-512 CPUs `avx512_linear_into`."""
+    if not (
+        x.dtype == w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32)
+        and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
+    ):
         return None
-    kernel = _kernel_for((x,), None)
+    avx512 = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
+    most = BLOCKS_MAX_ROWS if avx512 is not None or _torch_on_avx512() else min(PACKED_MAX_ROWS, ranges().forward)
+    if not _rows_fit(blocks, most):
+        return None
+    kernel = _kernel_for((x,), out)
     if kernel is None:
         return None
     lib, openmp = kernel
-    E, O, I = w_EOI.shape
-    if x.shape[1] != I or not all(0 <= e < E and stop <= x.shape[0] for e, _, stop in blocks):
-        raise ValueError(f"linear_blocks: x {tuple(x.shape)}, w {tuple(w_EOI.shape)} and blocks {blocks} do not fit")
-    table = torch.tensor(blocks, dtype=torch.int64)
-    y = x.new_empty(x.shape[0], O)
-    avx512 = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), None)  # (blocks_fit bounds the rows)
+    y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
     fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
-    status = fn(
-        x.data_ptr(), x.stride(0), w_EOI.data_ptr(), w_EOI.stride(0), w_EOI.stride(1), y.data_ptr(), y.stride(0),
-        table.data_ptr(), len(blocks), O, I, torch.get_num_threads(), *openmp,
+    _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
+    return y
+
+
+def _through_experts(name: str, fn, openmp, src: Tensor, w_EOI: Tensor, y: Tensor, blocks, transposed: bool) -> None:
+    """y's blocks from src's through w_EOI [E, O, I]: src·wᵀ (transposed: src [rows, I], y
+    [rows, O]) or src·w (src [rows, O], y [rows, I]); shapes checked first."""
+    E, O, I = w_EOI.shape
+    inner, outer = (I, O) if transposed else (O, I)
+    if src.shape[1] != inner or y.shape != (src.shape[0], outer):
+        raise ValueError(f"{name}: {tuple(src.shape)} through w {tuple(w_EOI.shape)} into {tuple(y.shape)} do not fit")
+    _check_blocks(name, blocks, src.shape[0], E, f"{tuple(src.shape)}, w {tuple(w_EOI.shape)}")
+    _blocks_call(
+        fn, blocks, [False] * len(blocks), src.data_ptr(), src.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0),
+        w_EOI.stride(1), y.data_ptr(), y.stride(0), O, I, torch.get_num_threads(), *openmp,
     )
-    return y if status == 0 else None
+
+
+def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop) (an input
+    gradient through each block's expert, w_EOI [E, O, I]), in one call; returns whether it
+    ran (when False, `out` is untouched). float32, AVX2 CPUs (see above), every block of 1 to
+    this CPU's input-gradient rows: each as `input_grad` runs it (one-row blocks, which
+    `input_grad` leaves to torch, on the kernel's row split)."""
+    if _torch_on_avx512() or not (
+        g.dtype == w_EOI.dtype == out.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
+        and _rows_fit(blocks, min(PACKED_MAX_ROWS, ranges().input_grad))
+    ):
+        return False
+    kernel = _kernel_for((g,), out)
+    if kernel is None:
+        return False
+    lib, openmp = kernel
+    _through_experts("input_grad_blocks", lib.moe_ffn_input_grad_blocks_f32, openmp, g, w_EOI, out, blocks, transposed=False)
+    return True
+
+
+def weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
+) -> bool:
+    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), added to
+    out_EMN[e] where the block's `accumulate` is set (each expert's weight gradient), in one
+    call; returns whether it ran (when False, `out_EMN` is untouched). float32, AVX2 CPUs (see
+    above), every block of 1 to this CPU's weight-gradient rows: each as `weight_grad_into`
+    runs it, old contents read only where accumulating."""
+    if _torch_on_avx512() or not (
+        a.dtype == b.dtype == out_EMN.dtype == torch.float32 and out_EMN.dim() == 3 and out_EMN.stride(2) == 1
+        and _rows_fit(blocks, min(WEIGHT_GRAD_MAX_ROWS, ranges().weight_grad))
+    ):
+        return False
+    kernel = _kernel_for((a, b), None)
+    if kernel is None:
+        return False
+    lib, openmp = kernel
+    E, M, N = out_EMN.shape
+    if a.shape != (b.shape[0], M) or b.shape[1] != N or len(accumulate) != len(blocks):
+        raise ValueError(f"weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} "
+                         f"and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit")
+    _check_blocks("weight_grad_blocks", blocks, a.shape[0], E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
+    _blocks_call(
+        lib.moe_ffn_weight_grad_blocks_f32, blocks, accumulate, a.data_ptr(), a.stride(0), b.data_ptr(),
+        b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1), M, N,
+        torch.get_num_threads(), *openmp,
+    )
+    return True
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -435,7 +527,7 @@ def _avx512_entry_points():
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, ptr]
-    blocks.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    blocks.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
     linear.restype = weight_grad.restype = blocks.restype = c_int
     return linear, weight_grad, blocks
 

@@ -731,6 +731,11 @@ def _hidden_backward(
     return (a_nF if want_a else None), _round(dh_nH, dtype), dweight_n
 
 
+def _within(blocks: list[tuple[int, int, int]], first: int) -> list[tuple[int, int, int]]:
+    """The blocks with their rows counted from row `first` (a group's or piece's own rows)."""
+    return [(e, start - first, stop - first) for e, start, stop in blocks]
+
+
 def _rows(src: Tensor, token_N: Optional[Tensor], first: int, last: int) -> Tensor:
     """Rows first:last of the sorted order: src's own rows, or gathered from tokens (into
     scratch memory: a group's temporary, see _memory.scratch)."""
@@ -901,19 +906,21 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
         if keep_h:
             h_gH = h_NH[first:last]
         x_gD = _rows(x, token_N, first, last)
-        for e, start, stop in group:
-            b = None if b1_EH is None else b1_EH[e]
-            rows = slice(start - first, stop - first)
-            _linear_into(h_gH[rows], x_gD[rows], w1_EHD[e], b, cdt)
+        if not (b1_EH is None and _small_gemm.linear_blocks(x_gD, w1_EHD, _within(group, first), out=h_gH[: last - first]) is not None):
+            for e, start, stop in group:
+                b = None if b1_EH is None else b1_EH[e]
+                rows = slice(start - first, stop - first)
+                _linear_into(h_gH[rows], x_gD[rows], w1_EHD[e], b, cdt)
         del x_gD
         for piece in _groups(group, H, split=cdt == x.dtype):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
             y_pD = out[lo:hi] if token_N is None else _memory.scratch(x, hi - lo, D)
-            for e, start, stop in piece:
-                b = None if b2_ED is None else b2_ED[e]
-                rows = slice(start - lo, stop - lo)
-                _linear_into(y_pD[rows], a_pF[rows], w2_EDF[e], b, cdt)
+            if not (b2_ED is None and _small_gemm.linear_blocks(a_pF, w2_EDF, _within(piece, lo), out=y_pD) is not None):
+                for e, start, stop in piece:
+                    b = None if b2_ED is None else b2_ED[e]
+                    rows = slice(start - lo, stop - lo)
+                    _linear_into(y_pD[rows], a_pF[rows], w2_EDF[e], b, cdt)
             del a_pF
             if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
                 if y_pD.dtype == weight_N.dtype:
@@ -969,9 +976,11 @@ def _ffn_backward(
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)
         h_gH = h_NH[first:last].to(cdt)
         da_gF = _memory.scratch(g_gD, last - first, F_)
-        for e, start, stop in group:
-            rows = slice(start - first, stop - first)
-            _linear(g_gD[rows], w2_EDF[e].t(), out=da_gF[rows])  # (in cdt; bf16 weights read as they are)
+        within = _within(group, first)
+        if not _small_gemm.input_grad_blocks(da_gF, g_gD, w2_EDF, within):
+            for e, start, stop in group:
+                rows = slice(start - first, stop - first)
+                _linear(g_gD[rows], w2_EDF[e].t(), out=da_gF[rows])  # (in cdt; bf16 weights read as they are)
         a_gF, dh_gH, dweight_g = _hidden_backward(
             h_gH, da_gF, weight_N[first:last] if routed else None, activation, gated, dtype,
             want_a=need_w, want_dweight=need_weight,
@@ -986,27 +995,34 @@ def _ffn_backward(
                 grad_weight_N[first:last] = dweight_g
             # the expert's output rows' gradient (in place on the group's gathered rows)
             g_gD = _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
-        if need_w:  # down projection's weight gradient, from the recomputed hidden rows
-            for e, start, stop in group:
+        # again[i]: block i's expert already holds a first piece (see _groups), added to
+        again, seen = [], set(written)
+        for e, _, _ in group:
+            again.append(e in seen)
+            seen.add(e)
+        if need_w and not (not with_bias and _small_gemm.weight_grad_blocks(grad_w2, g_gD, a_gF, within, again)):
+            # down projection's weight gradient, from the recomputed hidden rows
+            for (e, start, stop), add in zip(group, again):
                 rows = slice(start - first, stop - first)
-                again = e in written
-                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=again, overwrite=stale2)
+                _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=add, overwrite=stale2)
                 if with_bias:
-                    grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if again else 0)
+                    grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if add else 0)
         del a_gF, g_gD
         x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
         dx_gD = _memory.scratch(dh_gH, last - first, D) if (need_x and routed) else None
-        for e, start, stop in group:
+        dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
+        w_done = need_w and not with_bias and _small_gemm.weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again)
+        x_done = need_x and _small_gemm.input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within)
+        for (e, start, stop), add in zip(group, again):
             rows = slice(start - first, stop - first)
             dh_nH = dh_gH[rows]
-            if need_w:
-                again = e in written
-                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=again, overwrite=stale1)
+            if need_w and not w_done:
+                _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=add, overwrite=stale1)
                 if with_bias:
-                    grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if again else 0)
-                written.add(e)
-            if need_x:
-                _linear(dh_nH, w1_EHD[e].t(), out=dx_gD[rows] if routed else grad_x[start:stop])
+                    grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if add else 0)
+            if need_x and not x_done:
+                _linear(dh_nH, w1_EHD[e].t(), out=dx_gD_[rows])
+        written = seen
         if dx_gD is not None:
             dx_gD = _round(dx_gD, dtype)
             if dx_gD.dtype != grad_x.dtype:
