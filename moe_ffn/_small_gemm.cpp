@@ -321,52 +321,57 @@ void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int6
 
 // A few rows of g (decode): the product is a read of w, and the split below reads each
 // thread's half of every row in 96-byte pieces, 16 rows at a time. Here the threads split w's
-// rows instead, each reading its rows whole, 4 at a time, into sums of its own (y for the
+// rows instead, reading them 8 at a time side by side, whole, into sums of their own (y for the
 // first part, scratch memory for the other), added into y at the end. Reading w, GB/s (the
-// benchmark's four expert weights, 64 or 8 in turn, 9 interleaved rounds, 2-core AVX2 EPYC;
-// a plain read of memory ran at ~18.7), column split → row split: 2 rows 9.6–13.3 → 10.0–16.5,
-// 3 rows 8.7–11.8 → 9.2–14.8, 4 rows 7.7–10.6 → 8.1–11.5 (1024×1024: 10.6 → 9.5), 8 rows level.
-// fp32 forward+backward, interleaved A/B (15 rounds): fine-grained T=16 105.6 → 102.0 ms,
-// T=64 148.2 → 146.6; Mixtral T=4 49.8 → 47.8, T=16 91.3 → 90.1. (One row stays on torch's
-// two half products, grouped.py's _SPLIT_INNER_MAX_ROWS, as fast as the row split here.)
-constexpr int64_t kSplitRowsMax = 3;  // rows of g up to which w's rows are split
+// benchmark's four expert weights, 64 or 8 in turn, best of 2×7 interleaved rounds, 2-core
+// AVX2 EPYC; a plain read of memory ran at ~18.7), column split → row split, float32 / bf16
+// weights: 2 rows 9.5–16.2 → 10.6–21.5 / 7.2–10.4 → 7.9–12.4, 4 rows 7.8–14.7 → 9.1–17.2 /
+// 5.8–7.5 → 7.6–9.9, 6 rows 7.7–12.5 → 9.5–14.6 / 5.3–6.4 → 5.7–8.8; at 8 rows the row split
+// was behind in 5 of 8. fp32 forward+backward, interleaved A/B (11 rounds): fine-grained T=1
+// 13.9 → 12.4 ms, Mixtral T=4 59.9 → 56.9, T=16 85.5 → 81.7; bf16 fine-grained T=16 135.0 →
+// 119.2, Mixtral T=16 114.3 → 95.5. (One-row blocks of a layer's groups come here through
+// moe_ffn_input_grad_blocks_f32; alone, input_grad leaves one row to torch's two half
+// products, grouped.py's _SPLIT_INNER_MAX_ROWS, about as fast.)
+constexpr int64_t kSplitRowsMax = 6;  // rows of g up to which w's rows are split
 
-// y[r, :] (+)= sum over o in [o0, o1) of g[r, o] · w[o, :], for ROWS rows of g, 16 columns at a
-// time (the last 8-column vectors masked past in_features).
+constexpr int64_t kSplitBlock = 8;  // rows of w per pass over y's rows
+
+// y[r, c : c + 8] (+)= sum over j < count of g[r, o + j] · w[o + j, c : c + 8] for ROWS (≤ 6) rows
+// of g (the vector's first `tail` lanes when MASKED; y read unless `first`).
+template <int ROWS, bool MASKED, typename W>
+inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_t c, float* y, int64_t ldy,
+                         bool first, __m256i mask, int64_t tail) {
+  static_assert(1 <= ROWS && ROWS <= kSplitRowsMax, "tile");
+  __m256 acc[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+    acc[r] = first ? _mm256_setzero_ps()
+                   : MASKED ? _mm256_maskload_ps(y + r * ldy + c, mask) : _mm256_loadu_ps(y + r * ldy + c);
+  const W* w = p.w + o * p.ldw + c;
+  const float* g = p.g + o;
+  for (int64_t j = 0; j < count; ++j, w += p.ldw, ++g) {
+    const __m256 w_j = MASKED ? load_tail(w, tail, mask) : load8(w);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(g + r * p.ldg), w_j, acc[r]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    if (MASKED) _mm256_maskstore_ps(y + r * ldy + c, mask, acc[r]);
+    else _mm256_storeu_ps(y + r * ldy + c, acc[r]);
+  }
+}
+
+// y[r, :] (+)= sum over o in [o0, o1) of g[r, o] · w[o, :] for ROWS rows of g: w's rows in
+// blocks of kSplitBlock, each block's rows read side by side, 8 columns at a time.
 template <int ROWS, typename W>
 void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t ldy, bool fresh) {
   const int64_t n = p.in_features, whole = n / 8 * 8;
   const __m256i mask = first_lanes(n - whole);
-  auto load_w = [&](const W* at, int64_t c) { return c + 8 <= n ? load8(at) : load_tail(at, n - c, mask); };
-  auto load_y = [&](const float* at, int64_t c) { return c + 8 <= n ? _mm256_loadu_ps(at) : _mm256_maskload_ps(at, mask); };
-  auto store_y = [&](float* at, int64_t c, __m256 v) {
-    if (c + 8 <= n) _mm256_storeu_ps(at, v);
-    else _mm256_maskstore_ps(at, mask, v);
-  };
-  for (int64_t o = o0; o < o1; o += 4) {
-    const int64_t count = std::min<int64_t>(4, o1 - o);
+  for (int64_t o = o0; o < o1; o += kSplitBlock) {
+    const int64_t count = std::min(kSplitBlock, o1 - o);
     const bool first = fresh && o == o0;
-    for (int64_t c = 0; c < n; c += 16) {
-      const bool two = c + 8 < n;
-      __m256 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] = first ? _mm256_setzero_ps() : load_y(y + r * ldy + c, c);
-        acc[r][1] = first || !two ? _mm256_setzero_ps() : load_y(y + r * ldy + c + 8, c + 8);
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        const W* w = p.w + (o + j) * p.ldw + c;
-        const __m256 w0 = load_w(w, c), w1 = two ? load_w(w + 8, c + 8) : _mm256_setzero_ps();
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256 g_ro = _mm256_broadcast_ss(p.g + r * p.ldg + o + j);
-          acc[r][0] = _mm256_fmadd_ps(g_ro, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(g_ro, w1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        store_y(y + r * ldy + c, c, acc[r][0]);
-        if (two) store_y(y + r * ldy + c + 8, c + 8, acc[r][1]);
-      }
-    }
+    for (int64_t c = 0; c < whole; c += 8) split_vector<ROWS, false>(p, o, count, c, y, ldy, first, mask, 0);
+    if (whole < n) split_vector<ROWS, true>(p, o, count, whole, y, ldy, first, mask, n - whole);
   }
 }
 
@@ -376,7 +381,9 @@ void split_rows_any(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int
     case 1: split_rows<1>(p, o0, o1, y, ldy, true); break;
     case 2: split_rows<2>(p, o0, o1, y, ldy, true); break;
     case 3: split_rows<3>(p, o0, o1, y, ldy, true); break;
-    default: split_rows<4>(p, o0, o1, y, ldy, true); break;
+    case 4: split_rows<4>(p, o0, o1, y, ldy, true); break;
+    case 5: split_rows<5>(p, o0, o1, y, ldy, true); break;
+    default: split_rows<6>(p, o0, o1, y, ldy, true); break;  // (kSplitRowsMax)
   }
 }
 
@@ -393,7 +400,7 @@ int input_grad_split_rows(const InputGrad<W>& p, int64_t out_features, int threa
   on_team(team, std::min<int64_t>(threads, kSplitParts), [&](int64_t t, int64_t n) {
     for (int64_t part = t; part < kSplitParts; part += n) {
       int64_t o0, o1;
-      share(out_features, 4, part, kSplitParts, &o0, &o1);
+      share(out_features, kSplitBlock, part, kSplitParts, &o0, &o1);
       float* y = part == 0 ? p.y : sums + (part - 1) * per;
       const int64_t ldy = part == 0 ? p.ldy : p.in_features;
       if (o0 < o1) split_rows_any(p, o0, o1, y, ldy);
