@@ -479,13 +479,25 @@ inline __attribute__((always_inline)) void tile_row(const float* a, __m256 b0, _
 // `partial`.
 // Eight float32 sums as bfloat16 bits, rounded as round_to_bf16 does (nearest even, NaN as
 // the quiet NaN 0x7FC0).
-inline __m128i round8_to_bf16(__m256 v) {
+inline __m256i round8_bits(__m256 v) {  // (in the low half of each 32-bit lane)
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline __m128i round8_to_bf16(__m256 v) {
+  const __m256i r = round8_bits(v);
   const __m256i halves = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 r0..r3 | r4..r7 r4..r7
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(halves, 0x08));  // r0..r7
+}
+// Sixteen float32 sums (v0, then v1) as bfloat16 bits, rounded as round8_to_bf16 rounds: one
+// pack and one 32-byte store where two eights took two of each. bf16 weight gradients written
+// by the row split (thin_product), two 16-byte stores → one 32-byte store, ms (8 outputs in turn,
+// best of 2×7 rounds): 7168×1024 from 1 / 64 rows 3.01 / 12.27 → 1.96 / 8.71, 1024×3584 1.40 /
+// 6.27 → 0.72 / 4.45, 1024×1024 0.44 / 1.79 → 0.33 / 1.33.
+inline __m256i round16_to_bf16(__m256 v0, __m256 v1) {
+  const __m256i both = _mm256_packus_epi32(round8_bits(v0), round8_bits(v1));  // per lane: 4 of v0, 4 of v1
+  return _mm256_permute4x64_epi64(both, 0xD8);  // v0's 8, then v1's 8
 }
 
 // The first `lanes` of eight sums into c: float32 as they are (masked), bfloat16 rounded.
@@ -527,6 +539,13 @@ void product_tile(const float* a_pack, const float* b_pack, int64_t depth, C* c,
       shift[v] = partial ? _mm256_maskload_ps(bias + 8 * v, v == 0 ? mask0 : mask1) : _mm256_loadu_ps(bias + 8 * v);
   for (int i = 0; i < ROWS; ++i) {
     C* row = c + i * ldc;
+    if constexpr (std::is_same_v<C, uint16_t>) {
+      static_assert(!STREAM, "bf16 sums are stored, not streamed (see thin_product)");
+      if (!partial && !bias) {  // the row's 16 sums rounded and stored together (see round16_to_bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), round16_to_bf16(acc[i][0], acc[i][1]));
+        continue;
+      }
+    }
     for (int v = 0; v < 2; ++v) {
       C* at = row + 8 * v;
       const __m256i mask = v == 0 ? mask0 : mask1;
@@ -737,6 +756,10 @@ int thin_product(const Product& p, bool accumulate, int threads, const Team& tea
   float* scratch = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * (b_floats + count * a_floats)));
   if (!scratch) return -1;
   pack_b(p, 0, panels, 0, p.k, scratch);
+  // float32 only: a tile row's 16 sums are a whole 64-byte line; a bf16 row's 32 bytes are
+  // half of one, and streamed so, its other half from the next panel, they ran 1.1–2.1× slower
+  // than plain stores (7168×1024 from 1 / 64 rows: 1.96 / 8.71 ms plain, 3.49 / 14.48
+  // streamed; the layer's bf16 forward+backward 6–21 % slower)
   const bool stream = !accumulate && !p.c16 && p.m * p.n >= kStreamFloats &&
                       reinterpret_cast<uintptr_t>(p.c) % 32 == 0 && p.ldc % 8 == 0;
   on_team(team, count, [&](int64_t t, int64_t parts) {
