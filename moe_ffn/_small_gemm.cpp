@@ -26,9 +26,11 @@
 //
 // packed product (weight gradients; forward and input gradient past 64 rows): c = A·B in
 // register tiles of 6 rows by 16 columns of c; B is packed into 16-column panels (transposed
-// 8 by 8 where its columns are w's rows) and A into 6-row tiles, sums run in passes of 256
-// steps, and each element of c is stored once a pass (no clearing pass). The threads split
-// the columns of c. See Product.
+// 8 by 8 where its columns are w's rows) and A into 6-row tiles. Weight gradients and products
+// whose B packs into a few MiB: B packed once, the threads split the rows of c, each tile's
+// whole sum at once, each element of c stored once (large float32 ones past the caches);
+// others: sums in passes of 256 steps, the threads split the columns of c. See Product and
+// thin_product.
 //
 // SwiGLU: a = silu(gate)·up, and its gradient with the routing weight's, in one pass over
 // the rows each (see Swiglu).
@@ -717,6 +719,17 @@ void product_range(const Product& p, int64_t q0, int64_t q1, int64_t m0, int64_t
 // and 82.6 accumulating); at 2048 rows the packed B (2048·n floats) no longer stays in cache
 // and it fell behind (1024×3584: 445 against 151 ms), hence kThinDepth.
 constexpr int64_t kThinDepth = 512;
+// Forward products and input gradients of kThinMinRows rows or more (the packed product's, all
+// past the unpacked kernels' 64) take the row split too where B packed whole stays within
+// kThinPackFloats (the fine-grained shape's weights, not Mixtral's): each 6-row tile then runs
+// its whole sum at once against B packed once for the call, where the column split packed B
+// anew for each pass of 256 steps and read and wrote c once a pass. fp32, interleaved A/B in one
+// process: fine-grained forward T = 1024 / 2048 (blocks of ~128 / ~256 rows) 292.3 → 232.9 /
+// 575.3 → 479.0 ms, forward+backward T = 512 / 1024 / 2048 469.1 → 449.8 / 1174.4 → 1153.0 /
+// 1759.7 → 1641.6 (7–11 rounds); bf16 forward+backward T = 2048 1812.6 → 1577.8 (5); Mixtral
+// (B of 3.7–7.3 M floats, not taken) level.
+constexpr int64_t kThinMinRows = 65;
+constexpr int64_t kThinPackFloats = int64_t{1} << 20;
 // Outputs of at least this many floats are stored with streaming stores where c is 32-byte
 // aligned: the optimizer reads a gradient next, and a store that first reads its line doubles
 // the traffic of a product that is mostly writing.
@@ -733,29 +746,34 @@ void thin_rows(const Product& p, C* c, int64_t r0, int64_t r1, bool add, const f
     for (int64_t q = 0; q < panels; ++q) {
       const float* b_q = b_pack + q * p.k * kPanel;
       const bool partial = q == full;
+      const float* bias = p.bias && !add ? p.bias + q * kPanel : nullptr;
       C* at = c_row + q * kPanel;
       switch (count) {
-        case 6: product_tile<6, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
-        case 5: product_tile<5, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
-        case 4: product_tile<4, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
-        case 3: product_tile<3, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
-        case 2: product_tile<2, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
-        default: product_tile<1, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, nullptr, partial, tail, mask0, mask1); break;
+        case 6: product_tile<6, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 5: product_tile<5, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 4: product_tile<4, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 3: product_tile<3, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 2: product_tile<2, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        default: product_tile<1, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
       }
     }
   }
   if (STREAM) _mm_sfence();
 }
 
-// c = A·B or c += A·B for a weight gradient's layout (A's and B's steps are rows) with
-// 1 ≤ k ≤ kThinDepth and no bias; -1 where the scratch memory could not be had.
+// c = A·B (+ bias) or c += A·B in the row split (see above); -1 where the scratch memory could
+// not be had.
 int thin_product(const Product& p, bool accumulate, int threads, const Team& team) {
   const int64_t panels = (p.n + kPanel - 1) / kPanel;
-  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, p.m / 48));
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, p.m / 12));  // (two tiles a thread)
   const int64_t b_floats = p.k * panels * kPanel, a_floats = p.k * kTileRows;
   float* scratch = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * (b_floats + count * a_floats)));
   if (!scratch) return -1;
-  pack_b(p, 0, panels, 0, p.k, scratch);
+  on_team(team, std::min<int64_t>(count, panels), [&](int64_t t, int64_t parts) {  // B packed by both threads
+    int64_t q0, q1;
+    share(panels, 1, t, parts, &q0, &q1);
+    if (q0 < q1) pack_b(p, q0, q1, 0, p.k, scratch + q0 * p.k * kPanel);
+  });
   // float32 only: a tile row's 16 sums are a whole 64-byte line; a bf16 row's 32 bytes are
   // half of one, and streamed so, its other half from the next panel, they ran 1.1–2.1× slower
   // than plain stores (7168×1024 from 1 / 64 rows: 1.96 / 8.71 ms plain, 3.49 / 14.48
@@ -774,15 +792,18 @@ int thin_product(const Product& p, bool accumulate, int threads, const Team& tea
   return 0;
 }
 
-// c = A·B (+ bias), or c += A·B with `accumulate`, on the team; the threads split c's columns.
+// c = A·B (+ bias), or c += A·B with `accumulate`, on the team: in the row split (thin_product)
+// where it was measured ahead, else the threads split c's columns.
 int product(const Product& p, bool accumulate, int threads, const Team& team) {
   if (p.k < 0 || p.m < 0 || p.n < 0 || threads < 1 || (accumulate && p.bias)) return -1;
   if ((p.a_step != 1 && p.a_row != 1) || (p.b_step != 1 && p.b_col != 1)) return -1;
   // the row split (thin_product) takes weight gradients of many rows, and those deeper than one
   // pass of the column split whatever their rows (all in one pass, as a bf16 c needs; float32
   // and bf16 c then get the same sums)
-  const bool thin = p.a_row == 1 && p.b_col == 1 && !p.bias && !p.b16 && p.k <= kThinDepth &&
-                    (p.m > kOneBlock || p.k > kDepth);
+  const int64_t b_floats = p.k * ((p.n + kPanel - 1) / kPanel) * kPanel;
+  const bool thin = (p.a_row == 1 && p.b_col == 1 && !p.bias && !p.b16 && p.k <= kThinDepth &&
+                     (p.m > kOneBlock || p.k > kDepth)) ||
+                    (!p.c16 && p.m >= kThinMinRows && b_floats <= kThinPackFloats);
   if (p.c16 && (accumulate || p.bias || (p.k > kDepth && !thin))) return -1;  // bf16 sums: rounded once, in one pass
   if (p.m == 0 || p.n == 0) return 0;
   if (p.k == 0) {

@@ -106,8 +106,28 @@ def _strided(rows: int, cols: int) -> torch.Tensor:
     return torch.randn(rows + 2, cols + 5)[1 : rows + 1, 2 : cols + 2]
 
 
+@pytest.mark.parametrize("rows", [65, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_column_split_matches_float64(rows, bias):
+    """Forward products and input gradients past 64 rows whose weight packs into more than
+    2^20 floats (Mixtral's shapes) take the packed product's column split: sums in passes of
+    256 steps, blocks of rows past 192; within the float64 bound, out's margins untouched."""
+    _needs_kernel()
+    O, I = 1100, 1000  # B: 1000·1104 floats forward, 1100·1008 for the input gradient
+    x, w, g = _strided(rows, I), _strided(O, I), _strided(rows, O)
+    b = torch.randn(O) if bias else None
+    wide = torch.full((rows, O + 4), float("nan"))
+    assert _small_gemm.linear_into(wide[:, 2 : O + 2], x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    bound = _bound(x.double().abs(), w.double().abs().T, I + 1)
+    assert ((wide[:, 2 : O + 2].double() - ref).abs() <= bound).all()
+    assert wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
+    y = _small_gemm.input_grad(g, w.t())
+    assert ((y.double() - g.double() @ w.double()).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
+
+
 # from 65 rows: the packed product (tiles of 6 rows, w's rows transposed into 16-column
-# panels 8 by 8, sums deeper than 256 in passes; past 192 rows, blocks of rows)
+# panels 8 by 8; here always in the row split, B packed whole: see the next test for the other)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 97, 200])
 @pytest.mark.parametrize(
     "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261)]
