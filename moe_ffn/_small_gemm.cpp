@@ -986,6 +986,24 @@ extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const floa
   });
 }
 
+// The same for bf16 w and y with x given in float32 (a decode step's few rows, widened by the
+// caller): each block's sums as moe_ffn_linear_bf16 forms them, rounded once as stored; blocks
+// of up to kUnpackedRows rows (-1 otherwise, nothing run).
+extern "C" int moe_ffn_linear_blocks_bf16(const float* x, int64_t ldx, const uint16_t* w, int64_t experts,
+                                          int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
+                                          const int64_t* blocks, int64_t count, int64_t out_features,
+                                          int64_t in_features, int threads, void* parallel, void* thread_num,
+                                          void* num_threads) {
+  if (out_features < 0 || in_features < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i)
+    if (blocks[4 * i + 2] - blocks[4 * i + 1] > kUnpackedRows) return -1;
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    return linear(x + start * ldx, ldx, w + e * w_expert, ldw, static_cast<const float*>(nullptr), y + start * ldy,
+                  ldy, rows, out_features, in_features, threads, team);
+  });
+}
+
 // y[start:stop] = g[start:stop]·w[e] for w [E, O, I]: the input gradient through each block's
 // expert (one-row blocks too, on the row split).
 extern "C" int moe_ffn_input_grad_blocks_f32(const float* g, int64_t ldg, const float* w, int64_t experts,

@@ -175,7 +175,7 @@ def library() -> Optional[ctypes.CDLL]:
     try:
         lib = ctypes.CDLL(str(path))
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
-        linear_blocks = lib.moe_ffn_linear_blocks_f32
+        linear_blocks, linear_blocks_bf16 = lib.moe_ffn_linear_blocks_f32, lib.moe_ffn_linear_blocks_bf16
         input_grad_blocks, weight_grad_blocks = lib.moe_ffn_input_grad_blocks_f32, lib.moe_ffn_weight_grad_blocks_f32
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
@@ -187,7 +187,7 @@ def library() -> Optional[ctypes.CDLL]:
     for linear in linears:
         linear.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64] + team
         linear.restype = ctypes.c_int
-    for blocks_fn in (linear_blocks, input_grad_blocks):
+    for blocks_fn in (linear_blocks, linear_blocks_bf16, input_grad_blocks):
         blocks_fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
         blocks_fn.restype = ctypes.c_int
     weight_grad_blocks.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + team
@@ -345,8 +345,11 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     into `out` [rows, O] or a new tensor, rows outside the blocks left unwritten; None where it
     does not run: float32, every block of 1 to this CPU's forward rows (`ranges()`), or on
     AVX-512 CPUs decode-sized (`BLOCKS_MAX_ROWS`) on the AVX-512 kernel, all blocks in one
-    parallel region there. Each block's sums are the ones `linear_into` forms for it, or on
-    AVX-512 CPUs `avx512_linear_into`."""
+    parallel region there; or bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows).
+    Each block's sums are the ones `linear_into` forms for it, or on AVX-512 CPUs
+    `avx512_linear_into`."""
+    if x.dtype == w_EOI.dtype == torch.bfloat16 and (out is None or out.dtype == torch.bfloat16):
+        return _linear_blocks_bf16(x, w_EOI, blocks, out)
     if not (
         x.dtype == w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32)
         and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
@@ -363,6 +366,19 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
     fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
     _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
+    return y
+
+
+def _linear_blocks_bf16(x: Tensor, w_EOI: Tensor, blocks, out: Optional[Tensor]) -> Optional[Tensor]:
+    # (x widened to float32 first: a few rows, as linear_into widens them)
+    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and _rows_fit(blocks, min(MAX_ROWS, ranges().bf16))):
+        return None
+    kernel = _kernel_for((x,), out)
+    if kernel is None:
+        return None
+    lib, openmp = kernel
+    y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
+    _through_experts("linear_blocks", lib.moe_ffn_linear_blocks_bf16, openmp, x.float(), w_EOI, y, blocks, transposed=True)
     return y
 
 

@@ -763,9 +763,11 @@ def _decode_projection(
     step of a one-token decode) run as matrix-vector products: torch.mv reads a bf16 weight
     ~10 % faster than the GEMM behind torch._grouped_mm (8 experts of the fine-grained shape,
     cold caches, interleaved: 2.56–2.69 ms against 2.82–3.01; a plain read of the same bytes
-    2.14–2.48 ms). Otherwise torch's grouped GEMM runs the same per-expert native GEMMs from
-    one C++ loop (bf16 Mixtral decode 5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, against the
-    per-block loop; measured on the 2-core EPYC)."""
+    2.14–2.48 ms). Otherwise moe_ffn's kernel runs all blocks in one call per projection
+    (`_small_gemm.linear_blocks`, bf16 weights read as they are), and where it is not built
+    torch's grouped GEMM runs the same per-expert native GEMMs from one C++ loop (bf16 Mixtral
+    decode 5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, against the per-block loop; measured
+    on the 2-core EPYC)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not with_bias and _small_gemm.available():
         # float32 blocks the kernel takes, all of them in one call per projection (the loop
         # over the blocks in C++). Interleaved A/B against the per-block loop on the same
@@ -803,8 +805,15 @@ def _decode_projection(
         return None
     if all(stop - start == 1 for _, start, stop in blocks):
         return functools.partial(_one_row_blocks, blocks=blocks)
+    if _small_gemm.available() and _small_gemm.blocks_fit(blocks):
+        return functools.partial(_kernel_blocks, blocks=blocks)
     if _small_gemm.available():
-        # the per-block loop, on moe_ffn's kernel, which reads the bf16 weights itself:
+        # blocks of 2–8 rows all in one call of moe_ffn's kernel per projection (above), which
+        # reads the bf16 weights itself: forward, interleaved A/B against the per-block loop on
+        # the same kernel (21 rounds), T = 4 / 16: fine 11.54 → 9.98 / 22.65 → 18.67 ms, Mixtral
+        # 10.24 → 9.91 / 19.46 → 18.55; forward+backward fine 49.95 → 48.32 / 86.67 → 79.91,
+        # Mixtral level (15 rounds); at T = 1 it lost to torch.mv (fine 3.10 → 3.52 ms), kept
+        # there. Larger blocks: the per-block loop on that kernel:
         # bf16 forward, interleaved A/B against this function's paths, T = 16 / 256: fine
         # 24.2 → 19.9 / 105 → 92 ms, Mixtral 42.9 → 18.5 / 158 → 146 ms. Blocks of one row
         # each stay on torch.mv: the per-block loop on the kernel was no faster there (T=1,
@@ -826,7 +835,7 @@ def _kernel_blocks(x_NI: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int
     if y_NO is None:  # a layout the kernel does not take: the per-block loop's products
         y_NO = x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
         for e, start, stop in blocks:
-            _linear_into(y_NO[start:stop], x_NI[start:stop], w_EOI[e], None, torch.float32)
+            _linear_into(y_NO[start:stop], x_NI[start:stop], w_EOI[e], None, _compute_dtype(x_NI))
     return y_NO
 
 

@@ -816,9 +816,33 @@ def test_blocks_entry_points_decline_what_they_do_not_take(monkeypatch):
         _small_gemm.weight_grad_blocks(grad, a, b, one, [False, True])
 
 
+@pytest.mark.parametrize("experts", [1, 3, 6])
+def test_linear_blocks_bf16_is_linear_into_block_by_block(monkeypatch, experts):
+    """bf16 x, w and y (x widened to float32 once, w read as it is, each sum rounded once):
+    each block's rows bit for bit what linear_into computes for the block alone, rows outside
+    the blocks untouched."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(experts)
+    E, O, I, N = 4, 37, 29, 40
+    w = torch.randn(E, O + 3, I)[:, 1 : O + 1].bfloat16()
+    x = _strided(N, I).bfloat16()
+    blocks = _some_blocks(N, experts, E, _small_gemm.BLOCKS_MAX_ROWS)
+    out = torch.full((N, O), 7.0).bfloat16()
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
+    covered = torch.zeros(N, dtype=torch.bool)
+    for e, start, stop in blocks:
+        covered[start:stop] = True
+        one = torch.empty(stop - start, O).bfloat16()
+        assert _small_gemm.linear_into(one, x[start:stop], w[e], None)
+        assert torch.equal(out[start:stop].view(torch.int16), one.view(torch.int16))
+    assert (out[~covered] == 7).all()
+
+
 def test_linear_blocks_declines_what_it_does_not_take(monkeypatch):
     """None (nothing computed) for: no blocks, a block past the forward rows (PACKED_MAX_ROWS
-    on AVX2 CPUs), an empty block, bf16, a weight whose rows are not contiguous; a ValueError
+    on AVX2 CPUs; MAX_ROWS for bf16), an empty block, mixed dtypes or float64, a weight whose
+    rows are not contiguous; a ValueError
     for blocks that do not fit x, w or out. The decode path takes blocks of up to
     BLOCKS_MAX_ROWS only (blocks_fit)."""
     _needs_kernel()
@@ -830,7 +854,9 @@ def test_linear_blocks_declines_what_it_does_not_take(monkeypatch):
     assert not _small_gemm.blocks_fit([(0, 0, _small_gemm.BLOCKS_MAX_ROWS + 1)])
     x = x[:80]
     assert _small_gemm.linear_blocks(x, w, [(0, 4, 4)]) is None
-    assert _small_gemm.linear_blocks(x.bfloat16(), w.bfloat16(), [(0, 0, 4)]) is None
+    assert _small_gemm.linear_blocks(x.bfloat16(), w.bfloat16(), [(0, 0, _small_gemm.MAX_ROWS + 1)]) is None
+    assert _small_gemm.linear_blocks(x.bfloat16(), w, [(0, 0, 4)]) is None  # mixed dtypes
+    assert _small_gemm.linear_blocks(x.double(), w.double(), [(0, 0, 4)]) is None
     assert _small_gemm.linear_blocks(x, w.transpose(1, 2).contiguous().transpose(1, 2), [(0, 0, 4)]) is None
     with pytest.raises(ValueError, match="do not fit"):
         _small_gemm.linear_blocks(x, w, [(3, 0, 4)])
@@ -874,23 +900,31 @@ def test_layer_matches_float64_on_torch_kernels(torch_kernels_only, torch_choice
 
 def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
     """A bf16 layer's forward at decode sizes (blocks of a few rows): every block's products
-    on the kernel (bf16 weights read as they are), the output within bf16 rounding of the
-    float64 loop. (On CPUs with AMX the AMX kernel would take most of these blocks first:
-    switched off here, see test_amx.py.)"""
+    on the kernel (bf16 weights read as they are), all blocks in one call per projection
+    (linear_blocks), the output within bf16 rounding of the float64 loop. (On CPUs with AMX
+    the AMX kernel would take most of these blocks first: switched off here, see test_amx.py;
+    on CPUs with bf16 units the kernel takes only 1–2-row blocks: widened here.)"""
     _needs_kernel()
-    from moe_ffn import _amx
+    from moe_ffn import _amx, grouped
 
     monkeypatch.setattr(_amx, "available", lambda: False)
+    monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
     ran = []
-    linear_into = _small_gemm.linear_into
-    monkeypatch.setattr(_small_gemm, "linear_into", lambda *a: ran.append(linear_into(*a)) or ran[-1])
+    linear_blocks = _small_gemm.linear_blocks
+
+    def counted(*args, **kwargs):
+        y = linear_blocks(*args, **kwargs)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(_small_gemm, "linear_blocks", counted)
     torch.manual_seed(5)
     D, F, E, K, T = 64, 48, 4, 2, 10
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
     x = torch.randn(T, D).bfloat16()
     with torch.no_grad():
         y = moe(x)
-    assert ran and all(ran)
+    assert ran == [True, True]  # one call per projection
     params = [p.detach().double() for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref = moe_forward(x.double(), *params, K)
     assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
