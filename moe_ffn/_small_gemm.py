@@ -348,37 +348,29 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     parallel region there; or bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows).
     Each block's sums are the ones `linear_into` forms for it, or on AVX-512 CPUs
     `avx512_linear_into`."""
-    if x.dtype == w_EOI.dtype == torch.bfloat16 and (out is None or out.dtype == torch.bfloat16):
-        return _linear_blocks_bf16(x, w_EOI, blocks, out)
+    bf16 = x.dtype == torch.bfloat16
     if not (
-        x.dtype == w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32)
+        x.dtype == w_EOI.dtype == (torch.bfloat16 if bf16 else torch.float32) and (out is None or out.dtype == x.dtype)
         and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
     ):
         return None
-    avx512 = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
-    most = BLOCKS_MAX_ROWS if avx512 is not None or _torch_on_avx512() else min(PACKED_MAX_ROWS, ranges().forward)
-    if not _rows_fit(blocks, most):
-        return None
-    kernel = _kernel_for((x,), out)
+    avx512 = None if bf16 else _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
+    if bf16:
+        most = min(MAX_ROWS, ranges().bf16)
+    elif avx512 is not None or _torch_on_avx512():
+        most = BLOCKS_MAX_ROWS
+    else:
+        most = min(PACKED_MAX_ROWS, ranges().forward)
+    kernel = _kernel_for((x,), out) if _rows_fit(blocks, most) else None
     if kernel is None:
         return None
     lib, openmp = kernel
     y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
-    fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
+    if bf16:  # x widened to float32 once (a few rows, as linear_into widens them)
+        fn, x = lib.moe_ffn_linear_blocks_bf16, x.float()
+    else:
+        fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
     _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
-    return y
-
-
-def _linear_blocks_bf16(x: Tensor, w_EOI: Tensor, blocks, out: Optional[Tensor]) -> Optional[Tensor]:
-    # (x widened to float32 first: a few rows, as linear_into widens them)
-    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and _rows_fit(blocks, min(MAX_ROWS, ranges().bf16))):
-        return None
-    kernel = _kernel_for((x,), out)
-    if kernel is None:
-        return None
-    lib, openmp = kernel
-    y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
-    _through_experts("linear_blocks", lib.moe_ffn_linear_blocks_bf16, openmp, x.float(), w_EOI, y, blocks, transposed=True)
     return y
 
 
