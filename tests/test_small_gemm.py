@@ -696,20 +696,22 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
 
 
 @pytest.mark.parametrize("experts", [1, 3, 6])
-@pytest.mark.parametrize("kernel", ["avx2", "avx512"])
+@pytest.mark.parametrize("kernel", ["avx2", "avx2-decode", "avx512"])
 def test_linear_blocks_is_linear_into_block_by_block(monkeypatch, experts, kernel):
     """One call for every block (repeated experts, gaps between blocks, one-row blocks): each
     block's rows bit for bit what the per-block entry point of the same kernel computes for it
-    alone (linear_into, or on AVX-512 CPUs avx512_linear_into), and within the float64 bound."""
+    alone (linear_into, or on AVX-512 CPUs avx512_linear_into), and within the float64 bound.
+    avx2: blocks of up to 100 rows (unpacked and packed, a parallel region each); avx2-decode:
+    up to 8 rows (all in one parallel region)."""
     _needs_kernel()
-    if kernel == "avx2":
+    if kernel.startswith("avx2"):
         _avx2_kernels(monkeypatch)  # (the AVX2 kernel's, whatever this CPU is)
         per_block = lambda out, x, w: _small_gemm.linear_into(out, x, w, None)
     else:
         _needs_avx512_kernel()
         per_block = _small_gemm.avx512_linear_into
     torch.manual_seed(experts)
-    most = _small_gemm.BLOCKS_MAX_ROWS if kernel == "avx512" else 100  # AVX2: unpacked and packed blocks
+    most = 100 if kernel == "avx2" else _small_gemm.BLOCKS_MAX_ROWS
     E, O, I, N = 4, 37, 29, 3 * most + 16
     w = torch.randn(E, O + 3, I)[:, 1 : O + 1]  # rows of a wider tensor: a row stride of its own
     x = _strided(N, I)
