@@ -37,7 +37,11 @@ were level or the packed product slower). Against the unpacked kernels at 64–1
 rounds, about 06:35 UTC) the packed product was level within the noise once it packed B 8 panels at
 a time (forward 88–137 against 91–126, input gradient 80–128 against 83–128), so the unpacked
 kernels keep the 1–64 rows they were tuned for and the packed product takes the rows torch's
-kernels ran before. At 2048 rows (a dense block's products
+kernels ran before. Since 2026-12-02 only where it is still ahead of them, measured again
+(`packed_max_rows`): through weights that pack whole (its row split, the fine-grained
+shape's), wide input gradients, and other input gradients of up to 192 rows; Mixtral's
+forward products past 64 rows and its first projection's input gradients past 192 went back
+to torch's kernels. At 2048 rows (a dense block's products
 at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168 GFLOP/s (5
 rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32
 weight gradients aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows, every one grouped.py writes: each
@@ -100,6 +104,26 @@ INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
 WEIGHT_GRAD_MAX_ROWS = 512
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
+
+# Past MAX_ROWS (INPUT_GRAD_ROWS[1] for input gradients) the packed product takes a float32
+# forward product or input gradient only where it was measured ahead of torch's kernels:
+# where B (the weight, as the product reads it: [depth, width]) packs whole into
+# ROW_SPLIT_PACK_FLOATS floats, so that the packed product runs in its row split (the
+# fine-grained shape's weights; _small_gemm.cpp, kThinPackFloats), and for input gradients
+# whose result is at least WIDE_RATIO times wider than their depth (Mixtral's down
+# projection: [rows, 1024]·[1024, 3584]), where torch's kernels are at their slowest
+# (grouped.py, _WIDE_RATIO). Other large weights (Mixtral's other three products) would take
+# its column split, which sums in passes of 256 steps, and there torch's kernels (oneDNN's
+# inner product, as grouped.py picks them) were ahead. 2-core AVX2 EPYC, 2026-12-02, 8
+# Mixtral experts' weights in turn, 9 interleaved rounds, GFLOP/s packed / torch's choice:
+# forward 7168×1024 at 72 / 128 / 256 / 512 rows 77 / 85, 82 / 95, 92 / 117, 101 / 109;
+# forward 1024×3584 83 / 83, 98 / 112, 100 / 116, 84 / 122; input gradient through 7168×1024
+# 78 / 73, 83 / 84, 87 / 111, 78 / 107; through 1024×3584 (wide) 81 / 61, 95 / 77, 98 / 78,
+# 102 / 82. bf16 weights keep the packed product at every size: torch's path would first copy
+# the whole weight to float32.
+ROW_SPLIT_PACK_FLOATS = 1 << 20
+WIDE_RATIO = 2.5
+COLUMN_SPLIT_INPUT_GRAD_ROWS = 192
 
 
 @dataclass(frozen=True)
@@ -247,6 +271,18 @@ def _writable_rows(t: Tensor) -> bool:  # no two rows on the same memory (an exp
     return _rows_contiguous(t) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
+def packed_max_rows(depth: int, width: int, input_grad: bool) -> int:
+    """The most rows of a float32 product (forward x·wᵀ: B = wᵀ, depth I, width O; input
+    gradient g·w: B = w, depth O, width I) that the kernel takes through this weight (see
+    ROW_SPLIT_PACK_FLOATS): PACKED_MAX_ROWS where B packs whole for the row split or the input
+    gradient is wide; else the unpacked kernels' MAX_ROWS for the forward, and
+    COLUMN_SPLIT_INPUT_GRAD_ROWS for input gradients."""
+    panels = -(-width // 16) * 16  # B's columns, padded to whole 16-column panels as packed
+    if depth * panels <= ROW_SPLIT_PACK_FLOATS or (input_grad and width >= WIDE_RATIO * depth):
+        return PACKED_MAX_ROWS
+    return COLUMN_SPLIT_INPUT_GRAD_ROWS if input_grad else MAX_ROWS
+
+
 def _kernel_for(inputs: tuple[Tensor, ...], out: Optional[Tensor]) -> Optional[tuple[ctypes.CDLL, tuple[int, int, int]]]:
     """The kernel (as `_kernel`) where every input has contiguous rows, `out` (if given) rows
     of its own, and torch.compile is not tracing; else None. Dtypes and sizes are each entry
@@ -287,7 +323,7 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
         )
     if rows > MAX_ROWS:  # the packed product: A = x [rows, I], B = wᵀ read from w's rows
         if x.dtype == torch.float32:
-            return _product(kernel, out, x, False, w, False, b)
+            return rows <= packed_max_rows(I, O, False) and _product(kernel, out, x, False, w, False, b)
         y = x.new_empty(rows, O, dtype=torch.float32)  # bf16: w read as it is, y rounded once
         if not _product(kernel, y, x.float(), False, w, False):
             return False
@@ -360,7 +396,7 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     elif avx512 is not None or _torch_on_avx512():
         most = BLOCKS_MAX_ROWS
     else:
-        most = min(PACKED_MAX_ROWS, ranges().forward)
+        most = min(packed_max_rows(w_EOI.shape[2], w_EOI.shape[1], False), ranges().forward)
     kernel = _kernel_for((x,), out) if _rows_fit(blocks, most) else None
     if kernel is None:
         return None
@@ -396,7 +432,7 @@ def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[
     `input_grad` leaves to torch, on the kernel's row split)."""
     if _torch_on_avx512() or not (
         g.dtype == w_EOI.dtype == out.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
-        and _rows_fit(blocks, min(PACKED_MAX_ROWS, ranges().input_grad))
+        and _rows_fit(blocks, min(packed_max_rows(w_EOI.shape[1], w_EOI.shape[2], True), ranges().input_grad))
     ):
         return False
     kernel = _kernel_for((g,), out)
@@ -463,6 +499,8 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
             f"input_grad: g {tuple(g.shape)}, w {tuple(w.shape)} and out "
             f"{None if out is None else tuple(out.shape)} do not fit"
         )
+    if not bf16_w and rows > packed_max_rows(O, I, True):
+        return None
     y = g.new_empty(rows, I) if out is None else out
     if rows > INPUT_GRAD_ROWS[1]:  # A = g [rows, O], B = w [O, I]
         return y if _product(kernel, y, g, False, w, True) else None

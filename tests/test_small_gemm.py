@@ -109,21 +109,70 @@ def _strided(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [65, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_product_column_split_matches_float64(rows, bias):
-    """Forward products and input gradients past 64 rows whose weight packs into more than
-    2^20 floats (Mixtral's shapes) take the packed product's column split: sums in passes of
-    256 steps, blocks of rows past 192; within the float64 bound, out's margins untouched."""
+    """Products whose B packs into more than 2^20 floats (Mixtral's shapes) run in the packed
+    product's column split: sums in passes of 256 steps, blocks of rows past 192. The layer
+    sends it bf16 weights' products, input gradients of up to COLUMN_SPLIT_INPUT_GRAD_ROWS
+    rows and wide ones (packed_max_rows); here both layouts of B, within the float64 bound,
+    out's margins untouched."""
     _needs_kernel()
+    kernel = _small_gemm._kernel()
     O, I = 1100, 1000  # B: 1000·1104 floats forward, 1100·1008 for the input gradient
     x, w, g = _strided(rows, I), _strided(O, I), _strided(rows, O)
     b = torch.randn(O) if bias else None
     wide = torch.full((rows, O + 4), float("nan"))
-    assert _small_gemm.linear_into(wide[:, 2 : O + 2], x, w, b)
+    assert _small_gemm._product(kernel, wide[:, 2 : O + 2], x, False, w, False, b)  # x·wᵀ
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     bound = _bound(x.double().abs(), w.double().abs().T, I + 1)
     assert ((wide[:, 2 : O + 2].double() - ref).abs() <= bound).all()
     assert wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
-    y = _small_gemm.input_grad(g, w.t())
+    y = torch.full((rows, I), float("nan"))
+    assert _small_gemm._product(kernel, y, g, False, w, True)  # g·w
     assert ((y.double() - g.double() @ w.double()).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
+
+
+def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeypatch):
+    """Past the unpacked kernels' rows, float32 products go to the packed product only where
+    B packs whole into ROW_SPLIT_PACK_FLOATS floats, or for input gradients of up to
+    COLUMN_SPLIT_INPUT_GRAD_ROWS rows or whose result is WIDE_RATIO times wider than their
+    depth; elsewhere every entry point declines (out untouched) and torch's kernels run. bf16
+    weights keep it (torch would copy the whole weight to float32 first)."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    M, R = _small_gemm.MAX_ROWS, _small_gemm.COLUMN_SPLIT_INPUT_GRAD_ROWS
+    # hand-worked: 1024·1024 = 2^20 packs whole; 1024·1040 (1025 columns padded to 65 panels)
+    # does not; 1024 deep by 2560 wide is 2.5× wider, 2559 is not
+    assert _small_gemm.packed_max_rows(1024, 1024, False) == _small_gemm.PACKED_MAX_ROWS
+    assert _small_gemm.packed_max_rows(1024, 1025, False) == M
+    assert _small_gemm.packed_max_rows(1024, 1025, True) == R
+    assert _small_gemm.packed_max_rows(1024, 2560, True) == _small_gemm.PACKED_MAX_ROWS
+    assert _small_gemm.packed_max_rows(1024, 2559, True) == R
+    assert _small_gemm.packed_max_rows(1024, 2560, False) == M  # (a forward product is never "wide")
+
+    O, I = 1100, 1000  # neither layout packs whole; the input gradient is not wide
+    w = torch.randn(O, I)
+    out = torch.full((M + 1, O), 7.0)
+    assert not _small_gemm.linear_into(out, torch.randn(M + 1, I), w, None)
+    assert (out == 7).all()
+    assert _small_gemm.linear_into(out[:M], torch.randn(M, I), w, None)  # (the unpacked kernel)
+    assert _small_gemm.linear_blocks(torch.randn(M + 1, I), w[None], [(0, 0, M + 1)]) is None
+    dx = torch.full((R + 1, I), 7.0)
+    assert _small_gemm.input_grad(torch.randn(R + 1, O), w.t(), out=dx) is None
+    assert not _small_gemm.input_grad_blocks(dx, torch.randn(R + 1, O), w[None], [(0, 0, R + 1)])
+    assert (dx == 7).all()
+    g = torch.randn(R, O)
+    y = _small_gemm.input_grad(g, w.t(), out=dx[:R])
+    assert y is not None and ((y.double() - g.double() @ w.double()).abs() <= _bound(g.double().abs(), w.double().abs(), O)).all()
+    assert _small_gemm.input_grad(torch.randn(R + 1, O), w.bfloat16().t()) is not None  # bf16 weight: kept
+
+    w_wide = torch.randn(400, 1000)  # g·w: 400 deep, 1000 wide (2.5×)
+    g = torch.randn(R + 1, 400)
+    y = _small_gemm.input_grad(g, w_wide.t())
+    assert y is not None and ((y.double() - g.double() @ w_wide.double()).abs() <= _bound(g.double().abs(), w_wide.double().abs(), 400)).all()
+    w_small = torch.randn(300, 200)  # packs whole: the packed product up to PACKED_MAX_ROWS
+    x = torch.randn(_small_gemm.PACKED_MAX_ROWS, 200)
+    out = torch.empty(_small_gemm.PACKED_MAX_ROWS, 300)
+    assert _small_gemm.linear_into(out, x, w_small, None)
+    assert ((out.double() - x.double() @ w_small.double().T).abs() <= _bound(x.double().abs(), w_small.double().abs().T, 200)).all()
 
 
 # from 65 rows: the packed product (tiles of 6 rows, w's rows transposed into 16-column
@@ -643,6 +692,43 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T,
     else:
         assert all(n >= 2 * 2 for n in single)  # both projections of (almost) every expert
         assert ran.get("input_grad_blocks", 0) == ran.get("weight_grad_blocks", 0) == ran.get("linear_blocks", 0) == 0
+
+
+def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
+    """An expert bank whose first projection does not pack whole (D = 128, 2F = 8200: B of
+    128 · 8208 floats > ROW_SPLIT_PACK_FLOATS) and blocks on both sides of MAX_ROWS: the
+    forward's large blocks of that projection go to torch's kernels block by block (the
+    forward's linear_blocks declines the group), its small ones to the unpacked kernel, the
+    down projection (B packs whole) to the packed product; output and every gradient match
+    the float64 per-token loop."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    ran = {"forward product": 0}
+    product = _small_gemm._product
+
+    def counted(kernel, out, a, a_steps_are_rows, b, b_steps_are_rows, *rest, **kwargs):
+        ran["forward product"] += not a_steps_are_rows and not b_steps_are_rows and b.shape[1] == 128
+        return product(kernel, out, a, a_steps_are_rows, b, b_steps_are_rows, *rest, **kwargs)
+
+    monkeypatch.setattr(_small_gemm, "_product", counted)
+    torch.manual_seed(5)
+    D, F, E, K, T = 128, 4100, 3, 1, 200
+    assert _small_gemm.packed_max_rows(D, 2 * F, False) == _small_gemm.MAX_ROWS
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)
+    with torch.no_grad():  # one expert with few tokens, two with many
+        moe.router.weight[0] -= 0.25 * moe.router.weight[0]
+    x = torch.randn(T, D, requires_grad=True)
+    g = torch.randn(T, D)
+    params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
+    grads = torch.autograd.grad((moe(x) * g).sum(), params)
+    counts = moe.stats.tokens_per_expert_E.tolist()
+    assert min(counts) <= _small_gemm.MAX_ROWS < max(counts), counts
+    assert ran["forward product"] == 0  # the first projection's forward never went to the packed product
+    leaves = [t.detach().double().requires_grad_() for t in params]
+    ref = moe_forward(*leaves, K)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    for name, a, b in zip(("x", "router", "gate_up_proj", "down_proj"), grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, float(b.abs().max())), msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("path", ["per-block", "blocks"])
