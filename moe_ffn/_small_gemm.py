@@ -43,11 +43,24 @@ shape's), wide input gradients, and other input gradients of up to 192 rows; Mix
 forward products past 64 rows and its first projection's input gradients past 192 went back
 to torch's kernels. At 2048 rows (a dense block's products
 at T = 2048) MKL's sgemm was ahead in 6 of 8 products, 147–175 against 150–168 GFLOP/s (5
-rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`. And float32
+rounds; at 512 rows level, 148–172 against 156–166), hence up to `PACKED_MAX_ROWS`: 512 until
+2026-12-02, then 1024 after a new measurement (16 fine-grained or 8 Mixtral weights in turn,
+3–7 interleaved rounds, GFLOP/s packed / MKL's sgemm; forward and weight gradients ahead,
+input gradients level): fine-grained at 768 / 1024 rows forward 117 / 98 and 123 / 94
+(1024×1024), 116 / 110 and 119 / 94 (1024×512); weight gradients 109 / 101 and 105 / 86,
+101 / 97 and 98 / 94; input gradients 131 / 127 and 134 / 126, 96 / 124 and 129 / 129;
+Mixtral weight gradients at 560 / 768 / 1024 rows 123 / 105, 122 / 96, 118 / 99 (7168×1024)
+and 104 / 102, 96 / 90, 101 / 90 (1024×3584), its wide input gradient 99 / 95, 96 / 89, 98 /
+90; at 1536 rows behind (82 / 101 on 7168×1024). In the layer (interleaved A/B, float32
+forward+backward, 512 → 1024): fine-grained T = 4096 3232.9 → 2925.1 ms (5 rounds), T = 8192
+6084.3 → 5979.2, 5783.6 → 5396.3, 5741.3 → 5886.9 in three runs, forward T = 8192 2020.4 →
+1922.8; Mixtral T = 2048 / 4096 level (2400.7 → 2385.9, 4770.3 → 4708.2). bf16 operands stay
+within `BF16_MAX_ROWS` (not measured past it). And float32
 weight gradients aᵀ·b from 1–`WEIGHT_GRAD_MAX_ROWS` rows, every one grouped.py writes: each
 element stored once, the threads splitting the gradient's rows so that each writes its part
 row after row, large outputs by streaming stores (_small_gemm.cpp, thin_product, with the
-numbers); 1.0–2.6× torch's paths on the benchmark's weights (grouped.py, above _matmul_into).
+numbers; past 512 rows the packed product's column split); 1.0–2.6× torch's paths on the
+benchmark's weights (grouped.py, above _matmul_into).
 
 Input gradients through bf16 experts' weights (a bf16 layer's backward on CPUs without bf16
 units, computed in float32): 1–`INPUT_GRAD_ROWS[1]` rows read the bf16 weight as it is,
@@ -101,8 +114,9 @@ from moe_ffn import _memory
 
 MAX_ROWS = 64
 INPUT_GRAD_ROWS = (2, 64)
-PACKED_MAX_ROWS = 512  # forward and input gradient products of MAX_ROWS+1 to this many rows
-WEIGHT_GRAD_MAX_ROWS = 512
+PACKED_MAX_ROWS = 1024  # forward and input gradient products of MAX_ROWS+1 to this many rows
+WEIGHT_GRAD_MAX_ROWS = 1024
+BF16_MAX_ROWS = 512  # products with bf16 operands (not measured past it)
 _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.toml
 
 # Past MAX_ROWS (INPUT_GRAD_ROWS[1] for input gradients) the packed product takes a float32
@@ -141,7 +155,7 @@ class Ranges:
 # Where torch's kernels are AVX2 too (the 2-core EPYC of the measurements above): every range
 # the kernel was measured ahead in.
 AVX2_RANGES = Ranges(
-    forward=PACKED_MAX_ROWS, input_grad=PACKED_MAX_ROWS, weight_grad=WEIGHT_GRAD_MAX_ROWS, bf16=PACKED_MAX_ROWS
+    forward=PACKED_MAX_ROWS, input_grad=PACKED_MAX_ROWS, weight_grad=WEIGHT_GRAD_MAX_ROWS, bf16=BF16_MAX_ROWS
 )
 # Where torch reports AVX512, MKL and oneDNN multiply with 512-bit FMAs, twice our AVX2
 # kernel's width. `profiling/kernel_headroom.py` on a 2-core Xeon with AVX-512 and AMX
@@ -162,7 +176,7 @@ AVX2_RANGES = Ranges(
 # larger ones go to torch. AVX-512 CPUs without bf16 units multiply bf16 in float32
 # (grouped.py's NOTE), where the kernel's half-size reads of bf16 weights are kept for the
 # same rows as float32 (not measured on such a CPU).
-AVX512_RANGES = Ranges(forward=8, input_grad=8, weight_grad=0, bf16=PACKED_MAX_ROWS)
+AVX512_RANGES = Ranges(forward=8, input_grad=8, weight_grad=0, bf16=BF16_MAX_ROWS)
 BF16_UNIT_ROWS = 2
 
 

@@ -190,7 +190,7 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tens
 
 def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
     rows = x.shape[0]
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < rows <= _ONEDNN_MAX_ROWS:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or rows == 0:
         return F.linear(x, w, b)
     if b is None and not w.is_contiguous():  # g·W, an input gradient (see _small_gemm)
         y = _small_gemm.input_grad(x, w, out=out)
@@ -198,6 +198,8 @@ def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Ten
             return y
         if _torch_on_avx512():
             return F.linear(x, w)  # sgemm (see _AVX512_W_XT_MAX_ROWS)
+    if rows > _ONEDNN_MAX_ROWS:
+        return F.linear(x, w, b)
     if _torch_on_avx512() and rows <= _AVX512_W_XT_MAX_ROWS and w.is_contiguous():
         y_OM = torch.mm(w, x.t()) if b is None else torch.addmm(b.unsqueeze(1), w, x.t())
         return y_OM.t()
@@ -298,8 +300,8 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         torch.addmm(b, x, w.t(), out=out)
 
 
-# Weight gradients on x86 CPUs: float32 ones from 1–512 rows (bf16 ones from float32 products
-# likewise) go to moe_ffn's kernel first (_small_gemm.weight_grad_into on AVX2 CPUs,
+# Weight gradients on x86 CPUs: float32 ones from 1–1024 rows (bf16 ones from float32 products
+# from 1–512) go to moe_ffn's kernel first (_small_gemm.weight_grad_into on AVX2 CPUs,
 # avx512_weight_grad_into on AVX-512 ones, _amx for bf16 on AMX CPUs), which stores each
 # element of the gradient once, row after row, large ones past the caches, whether the memory
 # holds zeros (fresh) or an old gradient (kept, `_memory`). On the 2-core AVX2 EPYC

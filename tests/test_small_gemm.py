@@ -27,7 +27,7 @@ on_x86_linux_with_avx2 = (
 # faster (_small_gemm.ranges(): AVX-512 CPUs, bf16 units), but what it computes is tested whole.
 EVERY_RANGE = _small_gemm.Ranges(
     forward=_small_gemm.PACKED_MAX_ROWS, input_grad=_small_gemm.PACKED_MAX_ROWS,
-    weight_grad=_small_gemm.WEIGHT_GRAD_MAX_ROWS, bf16=_small_gemm.PACKED_MAX_ROWS,
+    weight_grad=_small_gemm.WEIGHT_GRAD_MAX_ROWS, bf16=_small_gemm.BF16_MAX_ROWS,
 )
 
 
@@ -41,10 +41,10 @@ def _every_range(request, monkeypatch):
 @pytest.mark.parametrize(
     "capability, bf16_units, expected",
     [
-        ("AVX2", False, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=512, bf16=512)),
+        ("AVX2", False, _small_gemm.Ranges(forward=1024, input_grad=1024, weight_grad=1024, bf16=512)),
         ("AVX512", False, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=512)),
         ("AVX512", True, _small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=2)),
-        ("AVX2", True, _small_gemm.Ranges(forward=512, input_grad=512, weight_grad=512, bf16=2)),
+        ("AVX2", True, _small_gemm.Ranges(forward=1024, input_grad=1024, weight_grad=1024, bf16=2)),
     ],
 )
 def test_ranges_follow_the_cpu(monkeypatch, capability, bf16_units, expected):
@@ -177,7 +177,7 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
 
 # from 65 rows: the packed product (tiles of 6 rows, w's rows transposed into 16-column
 # panels 8 by 8; here always in the row split, B packed whole: see the next test for the other)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 97, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 97, 200, 700])
 @pytest.mark.parametrize(
     "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261)]
 )
@@ -267,7 +267,7 @@ def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(
     assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
 
 # from 24: w packed first; from 65: the packed product (see test_linear_matches_float64)
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 7, 16, 24, 37, 64, 65, 97, 200])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 7, 16, 24, 37, 64, 65, 97, 200, 700])
 @pytest.mark.parametrize(
     "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (200, 1000), (300, 40), (261, 1100)]
 )
@@ -308,13 +308,15 @@ def test_input_grad_reads_bf16_weights_as_the_float32_product_of_their_values(ro
 
 
 def test_input_grad_on_bf16_weights_declines_past_the_packed_rows():
-    rows = _small_gemm.PACKED_MAX_ROWS + 1
+    rows = _small_gemm.BF16_MAX_ROWS + 1  # (float32 weights go on to PACKED_MAX_ROWS)
     w = torch.randn(16, 8).bfloat16()
     assert _small_gemm.input_grad(torch.randn(rows, 16), w.t()) is None
+    if _small_gemm.available():
+        assert _small_gemm.input_grad(torch.randn(rows, 16), w.float().t()) is not None
     assert _small_gemm.input_grad(torch.randn(4, 16).bfloat16(), w.t()) is None  # g must be float32
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128, 300, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 31, 64, 128, 300, 600, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (97, 40), (130, 200), (193, 7), (300, 1000)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_weight_grad_matches_float64(rows, shape, accumulate):
@@ -337,7 +339,7 @@ def test_weight_grad_matches_float64(rows, shape, accumulate):
     assert wide[:, :3].isnan().all() and wide[:, N + 3 :].isnan().all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 64, 128, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 6, 64, 128, _small_gemm.BF16_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 9), (6, 16), (7, 17), (50, 33), (130, 200), (193, 7), (300, 1000)])
 def test_weight_grad_into_bf16_is_the_float32_result_rounded_once(rows, shape):
     """A bf16 `out` gets each float32 sum rounded to nearest even as it is stored: bit for bit
@@ -732,8 +734,10 @@ def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["per-block", "blocks"])
-def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monkeypatch, path):
-    """Blocks past MAX_ROWS (150 tokens, top-2 of 4 experts: ~75 rows each) go to the packed
+@pytest.mark.parametrize("T", [150, 1200])
+def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monkeypatch, path, T):
+    """Blocks past MAX_ROWS (150 tokens, top-2 of 4 experts: ~75 rows each; 1200: ~600, past
+    grouped.py's oneDNN rows, where the per-block path must still ask the kernel) go to the packed
     product (per-block: through its Python entry, counted; blocks: from the *_blocks entry
     points' loop in C++), and the SwiGLU work to its one-pass kernels; the output and the
     gradients of the input, the experts' weights and the router (through the routing weights'
@@ -762,13 +766,14 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
     monkeypatch.setattr(_small_gemm, "swiglu", counted("swiglu", swiglu))
     monkeypatch.setattr(_small_gemm, "swiglu_backward", counted("swiglu_backward", swiglu_backward))
     torch.manual_seed(11)
-    D, F, E, K, T = 40, 24, 4, 2, 150
+    D, F, E, K = 40, 24, 4, 2
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)
     x = torch.randn(T, D, requires_grad=True)
     g = torch.randn(T, D)
     params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
     grads = torch.autograd.grad((moe(x) * g).sum(), params)
     big = sum(_small_gemm.MAX_ROWS < c <= _small_gemm.PACKED_MAX_ROWS for c in moe.stats.tokens_per_expert_E.tolist())
+    assert T < 1000 or min(moe.stats.tokens_per_expert_E.tolist()) > 512
     if path == "per-block":
         assert big >= 1 and ran["product"] == 4 * big  # each: two forward products, two input gradients
     else:
