@@ -135,8 +135,8 @@ _LIBRARY_STEM = "_small_gemm_lib"  # the extension's module name in pyproject.to
 # 78 / 73, 83 / 84, 87 / 111, 78 / 107; through 1024×3584 (wide) 81 / 61, 95 / 77, 98 / 78,
 # 102 / 82. bf16 weights keep the packed product at every size: torch's path would first copy
 # the whole weight to float32.
-ROW_SPLIT_PACK_FLOATS = 1 << 20
-WIDE_RATIO = 2.5
+ROW_SPLIT_PACK_FLOATS = 1 << 20  # = kThinPackFloats in _small_gemm.cpp, which picks the split
+WIDE_RATIO = 2.5  # (grouped.py's choice among torch's kernels uses the same)
 COLUMN_SPLIT_INPUT_GRAD_ROWS = 192
 
 

@@ -140,7 +140,7 @@ _W_XT_LARGE_WEIGHT = 1 << 21
 # Mixtral fp32 forward+backward at T = 2048 (~512-row blocks), A/B in one process:
 # 3021 → 2839, 3210 → 3124, 3696 → 3079 ms. At 64 rows the two were level.
 _WIDE_SGEMM_MIN_ROWS = 256
-_WIDE_RATIO = 2.5
+_WIDE_RATIO = _small_gemm.WIDE_RATIO  # (one "wide": the kernel's routing uses it too)
 # Below that, from 32 rows, the same product runs fastest as W·gᵀ (sgemm on the two
 # transposed views, its [F, rows] result transposed by the caller's copy): Mixtral's
 # 1024×3584 down projection, 8 experts, weights cycling, oneDNN against W·gᵀ in ms:
