@@ -761,15 +761,16 @@ def _decode_projection(
     `project(x_NI, w_EOI) → y_NO` (rows past the counted ones left unwritten); None elsewhere.
 
     There the GEMMs are reads of the experts' weights, and our per-block Python (~20 µs a
-    block) was a tenth of a bf16 decode step of 64 experts. Blocks of one row each (every
-    step of a one-token decode) run as matrix-vector products: torch.mv reads a bf16 weight
-    ~10 % faster than the GEMM behind torch._grouped_mm (8 experts of the fine-grained shape,
-    cold caches, interleaved: 2.56–2.69 ms against 2.82–3.01; a plain read of the same bytes
-    2.14–2.48 ms). Otherwise moe_ffn's kernel runs all blocks in one call per projection
-    (`_small_gemm.linear_blocks`, bf16 weights read as they are), and where it is not built
-    torch's grouped GEMM runs the same per-expert native GEMMs from one C++ loop (bf16 Mixtral
-    decode 5.4 → 5.1 ms, fine-grained T=16 46 → 43 ms, against the per-block loop; measured
-    on the 2-core EPYC)."""
+    block) was a tenth of a bf16 decode step of 64 experts. moe_ffn's kernel runs all blocks
+    in one call per projection (`_small_gemm.linear_blocks`, bf16 weights read as they are;
+    one-row blocks, every step of a one-token decode, read row after row: _small_gemm.cpp's
+    linear_row). Where it is not built, blocks of one row each run as matrix-vector products:
+    torch.mv reads a bf16 weight ~10 % faster than the GEMM behind torch._grouped_mm (8
+    experts of the fine-grained shape, cold caches, interleaved: 2.56–2.69 ms against
+    2.82–3.01; a plain read of the same bytes 2.14–2.48 ms); larger blocks go to torch's
+    grouped GEMM, the same per-expert native GEMMs from one C++ loop (bf16 Mixtral decode 5.4
+    → 5.1 ms, fine-grained T=16 46 → 43 ms, against the per-block loop; measured on the 2-core
+    EPYC)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not with_bias and _small_gemm.available():
         # float32 blocks the kernel takes, all of them in one call per projection (the loop
         # over the blocks in C++). Interleaved A/B against the per-block loop on the same
@@ -805,21 +806,22 @@ def _decode_projection(
         x.device.type == "cpu" and x.dtype == torch.bfloat16 and cdt != x.dtype and not with_bias and blocks
     ):
         return None
+    if _small_gemm.available() and _small_gemm.blocks_fit(blocks):
+        # One-row blocks too since the kernel reads them row after row (linear_row): bf16
+        # forward T = 1, interleaved A/B in one process against torch.mv (41 rounds, 2-core
+        # EPYC): Mixtral 4.90 → 3.94 ms (transformers' grouped_mm 5.00), fine-grained 3.96 →
+        # 3.24 (4.49); forward+backward Mixtral 19.4 → 17.9 (21 rounds).
+        return functools.partial(_kernel_blocks, blocks=blocks)
     if all(stop - start == 1 for _, start, stop in blocks):
         return functools.partial(_one_row_blocks, blocks=blocks)
-    if _small_gemm.available() and _small_gemm.blocks_fit(blocks):
-        return functools.partial(_kernel_blocks, blocks=blocks)
     if _small_gemm.available():
         # blocks of 2–8 rows all in one call of moe_ffn's kernel per projection (above), which
         # reads the bf16 weights itself: forward, interleaved A/B against the per-block loop on
         # the same kernel (21 rounds), T = 4 / 16: fine 11.54 → 9.98 / 22.65 → 18.67 ms, Mixtral
         # 10.24 → 9.91 / 19.46 → 18.55; forward+backward fine 49.95 → 48.32 / 86.67 → 79.91,
-        # Mixtral level (15 rounds); at T = 1 it lost to torch.mv (fine 3.10 → 3.52 ms), kept
-        # there. Larger blocks: the per-block loop on that kernel:
+        # Mixtral level (15 rounds). Larger blocks: the per-block loop on that kernel:
         # bf16 forward, interleaved A/B against this function's paths, T = 16 / 256: fine
-        # 24.2 → 19.9 / 105 → 92 ms, Mixtral 42.9 → 18.5 / 158 → 146 ms. Blocks of one row
-        # each stay on torch.mv: the per-block loop on the kernel was no faster there (T=1,
-        # 40 interleaved rounds: Mixtral 3.69 vs 3.79 ms, fine 2.31 vs 2.28).
+        # 24.2 → 19.9 / 105 → 92 ms, Mixtral 42.9 → 18.5 / 158 → 146 ms.
         return None
     if (
         len(blocks) > 1

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import moe_ffn.grouped as grouped
+from moe_ffn import _small_gemm
 from moe_ffn.grouped import grouped_ffn, grouped_linear, routed_ffn
 from reference import act
 
@@ -326,10 +327,17 @@ def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
     reason="this CPU multiplies bf16 natively: no decode path",
 )
 @pytest.mark.parametrize("routed", [True, False])
-def test_bf16_one_row_blocks_run_as_matrix_vector_products(monkeypatch, routed):
-    """Blocks of one row each (a one-token decode step) go through torch.mv, two per block;
-    outputs and gradients are the per-block loop's, within bf16 rounding of float64; the
-    dropped last row stays zero and the idle expert (NaN weights) is never read."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_bf16_one_row_blocks_run_in_one_call_per_projection(monkeypatch, routed, kernel):
+    """Blocks of one row each (a one-token decode step) go to moe_ffn's kernel, one call per
+    projection (its row-by-row read of bf16 weights), or where it is not built through
+    torch.mv, two per block; outputs and gradients are the per-block loop's, within bf16
+    rounding of float64; the dropped last row stays zero and the idle expert (NaN weights) is
+    never read."""
+    if kernel and not _small_gemm.available():
+        pytest.skip("moe_ffn's kernel is not built or switched off here")
+    if not kernel:
+        monkeypatch.setattr(_small_gemm, "available", lambda: False)
     torch.manual_seed(8)
     D, F, E = 16, 8, 4
     counts = torch.tensor([1, 0, 1, 1])
@@ -347,14 +355,19 @@ def test_bf16_one_row_blocks_run_as_matrix_vector_products(monkeypatch, routed):
         g = torch.linspace(-1, 1, out.numel()).view(out.shape)
         return out, torch.autograd.grad((out.float() * g).sum(), leaves[: 4 if routed else 3])
 
-    mv_calls = []
-    real_mv = torch.mv
+    mv_calls, kernel_calls = [], []
+    real_mv, real_blocks = torch.mv, _small_gemm.linear_blocks
     monkeypatch.setattr(torch, "mv", lambda *a, **k: mv_calls.append(1) or real_mv(*a, **k))
+    monkeypatch.setattr(_small_gemm, "linear_blocks", lambda *a, **k: kernel_calls.append(a[2]) or real_blocks(*a, **k))
     out, grads = run()
-    assert len(mv_calls) == 6
+    if kernel:  # the forward's two projections, each over all three blocks
+        assert mv_calls == [] and kernel_calls == [[(0, 0, 1), (2, 1, 2), (3, 2, 3)]] * 2
+    else:
+        assert len(mv_calls) == 6 and kernel_calls == []
+    calls = len(mv_calls)
     monkeypatch.setattr(grouped, "_decode_projection", lambda *args: None)
     out_loop, loop_grads = run()
-    assert len(mv_calls) == 6  # the loop did not call it
+    assert len(mv_calls) == calls  # the loop did not call it
 
     ref = torch.zeros(out.shape, dtype=torch.float64)
     for n, e in enumerate([0, 2, 3]):
