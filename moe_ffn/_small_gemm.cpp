@@ -210,14 +210,23 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
 }
 
+// float32 x and w of 65–128 rows of x: the products in place (below, linear_in_place).
+constexpr int64_t kInPlaceRows[2] = {65, 128};
+int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
+                    int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team);
+
 template <typename W, typename Y>
 int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b, Y* y, int64_t ldy,
            int64_t rows, int64_t out_features, int64_t in_features, int threads, const Team& team) {
   if (rows < 0 || out_features < 0 || in_features < 0 || threads < 1) return -1;
   if (rows == 0 || out_features == 0) return 0;
-  const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
   // At least 24 rows of w (8 strips) per thread.
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
+  if constexpr (std::is_same_v<W, float> && std::is_same_v<Y, float>) {
+    if (rows >= kInPlaceRows[0])  // (to kInPlaceRows[1], the callers' limit: _small_gemm.py's IN_PLACE_MAX_ROWS)
+      return linear_in_place(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, count, team);
+  }
+  const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(out_features, 3, t, n, &first, &last);
@@ -889,6 +898,120 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
   return 0;
 }
 
+// ---- forward in place: yᵀ = w·xᵀ in 6×16 register tiles ---------------------------------------
+//
+// float32, 65–128 rows of x (kInPlaceRows): the packed product's register tiles with the roles
+// turned, so that the weight is never packed. A tile is 6 rows of w by 16 rows of x: each step
+// broadcasts one value from each of the 6 rows of w, read where they lie, against 16 rows of x
+// packed as one panel of xᵀ (pack_b; x is small, packed once a call); a last panel of at most 8
+// rows takes tiles of 12 rows of w by 8. The threads split w's rows; each walks its rows in
+// blocks of kInPlaceBlockBytes of w (kept in L2) and passes every panel under a block's tiles.
+// Where it replaced the packed product (which first copies the whole weight into panels: the
+// fine-grained shape's 4 MiB per expert) and oneDNN's inner product (torch's choice for
+// Mixtral's weights): GFLOP/s, 64 fine-grained or 8 Mixtral experts' weights in turn, 7
+// interleaved rounds, 2-core EPYC, before / after, at 65 / 72 / 88 / 100 / 128 rows: fine
+// 1024×1024 58 / 72, 64 / 85, 70 / 84, 73 / 82, 85 / 93; 1024×512 60 / 77, 67 / 92, 69 / 89, 78
+// / 87, 85 / 91; Mixtral 1024×3584 86 / 95, 92 / 104, 98 / 112, 99 / 112, 104 / 117; 7168×1024
+// level (87 / 78, 84 / 92, 99 / 97, 103 / 95, 109 / 118). Fewer rows stay on the strips above:
+// the in-place tiles were behind them wherever the rows leave a panel part full (fine 1024×1024
+// at 17 / 24 / 40 rows 57 / 38, 69 / 54, 86 / 68), level at 32 and 48 (80 / 84, 87 / 90). Past
+// 128 rows the packed product (from 256 rows it was ahead: fine 1024×512 at 512 rows 119 / 102)
+// or torch's kernels, as before.
+constexpr int64_t kInPlaceBlockBytes = 256 << 10;
+
+template <int ROWS>
+inline void in_place_tile(const float* w, int64_t ldw, const float* panel, int64_t depth, float* sums) {
+  __m256 c[kTileRows][2];
+  for (int i = 0; i < ROWS; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < depth; ++s, panel += kPanel) {
+    const __m256 b0 = _mm256_loadu_ps(panel), b1 = _mm256_loadu_ps(panel + 8);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 a = _mm256_broadcast_ss(w + i * ldw + s);
+      c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    _mm256_store_ps(sums + i * kPanel, c[i][0]);
+    _mm256_store_ps(sums + i * kPanel + 8, c[i][1]);
+  }
+}
+
+// The same for a last panel of at most 8 rows of x (its first 8 lanes): 12 rows of w a tile
+// (12 accumulators, as above), where a 16-lane tile would multiply zeros in half its lanes.
+constexpr int64_t kHalfTileRows = 12;
+
+template <int ROWS>
+inline void in_place_half_tile(const float* w, int64_t ldw, const float* panel, int64_t depth, float* sums) {
+  __m256 c[kHalfTileRows];
+  for (int i = 0; i < ROWS; ++i) c[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < depth; ++s, panel += kPanel) {
+    const __m256 b0 = _mm256_loadu_ps(panel);
+    for (int i = 0; i < ROWS; ++i) c[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * ldw + s), b0, c[i]);
+  }
+  for (int i = 0; i < ROWS; ++i) _mm256_store_ps(sums + i * kPanel, c[i]);
+}
+
+template <int ROWS>
+void in_place_tiles(const float* w, int64_t ldw, const float* panel, int64_t depth, bool half, float* sums) {
+  if (half) in_place_half_tile<ROWS>(w, ldw, panel, depth, sums);
+  else if constexpr (ROWS <= kTileRows) in_place_tile<ROWS>(w, ldw, panel, depth, sums);
+}
+
+// (arguments checked by linear())
+int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
+                    int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team) {
+  const int64_t depth = in_features, panels = (rows + kPanel - 1) / kPanel;
+  float* x_pack = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * panels * depth * kPanel));
+  if (!x_pack) return -1;
+  // B = xᵀ [depth, rows]: its columns are x's rows (transposed while packed, zeros past rows)
+  const Product xt{nullptr, 0, 0, x, 1, ldx, nullptr, nullptr, nullptr, nullptr, 0, depth, 0, rows};
+  on_team(team, std::min(threads, panels), [&](int64_t t, int64_t n) {
+    int64_t q0, q1;
+    share(panels, 1, t, n, &q0, &q1);
+    pack_b(xt, q0, q1, 0, depth, x_pack + q0 * depth * kPanel);
+  });
+  const int64_t block =  // (whole tiles of either width)
+      std::max(kHalfTileRows, kInPlaceBlockBytes / (int64_t{sizeof(float)} * depth) / kHalfTileRows * kHalfTileRows);
+  on_team(team, threads, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(out_features, kHalfTileRows, t, n, &first, &last);
+    alignas(32) float sums[kHalfTileRows * kPanel];
+    for (int64_t o0 = first; o0 < last; o0 += block) {
+      const int64_t o1 = std::min(last, o0 + block);
+      for (int64_t q = 0; q < panels; ++q) {
+        const float* panel = x_pack + q * depth * kPanel;
+        const int64_t r0 = q * kPanel, width = std::min(kPanel, rows - r0);
+        const bool half = width <= 8;
+        const int64_t tile_rows = half ? kHalfTileRows : kTileRows;
+        for (int64_t o = o0; o < o1; o += tile_rows) {
+          const int64_t count = std::min(tile_rows, o1 - o);
+          const float* w_o = w + o * ldw;
+          switch (count) {
+            case 12: in_place_tiles<12>(w_o, ldw, panel, depth, half, sums); break;
+            case 11: in_place_tiles<11>(w_o, ldw, panel, depth, half, sums); break;
+            case 10: in_place_tiles<10>(w_o, ldw, panel, depth, half, sums); break;
+            case 9: in_place_tiles<9>(w_o, ldw, panel, depth, half, sums); break;
+            case 8: in_place_tiles<8>(w_o, ldw, panel, depth, half, sums); break;
+            case 7: in_place_tiles<7>(w_o, ldw, panel, depth, half, sums); break;
+            case 6: in_place_tiles<6>(w_o, ldw, panel, depth, half, sums); break;
+            case 5: in_place_tiles<5>(w_o, ldw, panel, depth, half, sums); break;
+            case 4: in_place_tiles<4>(w_o, ldw, panel, depth, half, sums); break;
+            case 3: in_place_tiles<3>(w_o, ldw, panel, depth, half, sums); break;
+            case 2: in_place_tiles<2>(w_o, ldw, panel, depth, half, sums); break;
+            default: in_place_tiles<1>(w_o, ldw, panel, depth, half, sums); break;
+          }
+          for (int64_t j = 0; j < width; ++j) {  // the tile's sums are yᵀ: stored transposed
+            float* y_j = y + (r0 + j) * ldy + o;
+            for (int64_t i = 0; i < count; ++i) y_j[i] = sums[i * kPanel + j] + (b ? b[o + i] : 0.0f);
+          }
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 // ---- SwiGLU's elementwise work: a = silu(gate)·up and its gradient ------------------------
 
 // e^x for eight floats, x clamped to [-87.3, 88.3] (the range where e^x and e^-x are normal
@@ -985,7 +1108,8 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
 // slicing there). blocks: `count` rows of (e, start, stop, accumulate) int64s; each block runs
 // exactly the product its entry point above runs for it alone (the same sums), one parallel
 // region a block. The row counts at which the single-block paths switch to the packed
-// product (_small_gemm.py's MAX_ROWS and INPUT_GRAD_ROWS[1]):
+// product (_small_gemm.py's IN_PLACE_MAX_ROWS = kInPlaceRows[1] for float32 forward products,
+// MAX_ROWS for bf16 ones, INPUT_GRAD_ROWS[1] for input gradients):
 constexpr int64_t kUnpackedRows = 64;
 
 // block(e, start, rows, accumulate) for each block in turn, once every block was checked
@@ -1050,7 +1174,7 @@ extern "C" int moe_ffn_linear_blocks_f32(const float* x, int64_t ldx, const floa
   return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
     const float *x_b = x + start * ldx, *w_e = w + e * w_expert;
     float* y_b = y + start * ldy;
-    if (rows <= kUnpackedRows)
+    if (rows <= kInPlaceRows[1])
       return linear(x_b, ldx, w_e, ldw, static_cast<const float*>(nullptr), y_b, ldy, rows, out_features, in_features,
                     threads, team);
     // A = x [rows, I], B = wᵀ read from w's rows
@@ -1213,3 +1337,4 @@ extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const fl
   const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
   return dh && da ? swiglu(p, rows, threads, team) : -1;
 }
+

@@ -113,6 +113,7 @@ from torch import Tensor
 from moe_ffn import _memory
 
 MAX_ROWS = 64
+IN_PLACE_MAX_ROWS = 128  # float32 forward products of MAX_ROWS+1 to this many rows: w read in place (_small_gemm.cpp)
 INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 1024  # forward and input gradient products of MAX_ROWS+1 to this many rows
 WEIGHT_GRAD_MAX_ROWS = 1024
@@ -289,12 +290,12 @@ def packed_max_rows(depth: int, width: int, input_grad: bool) -> int:
     """The most rows of a float32 product (forward x·wᵀ: B = wᵀ, depth I, width O; input
     gradient g·w: B = w, depth O, width I) that the kernel takes through this weight (see
     ROW_SPLIT_PACK_FLOATS): PACKED_MAX_ROWS where B packs whole for the row split or the input
-    gradient is wide; else the unpacked kernels' MAX_ROWS for the forward, and
+    gradient is wide; else IN_PLACE_MAX_ROWS for the forward (w read in place), and
     COLUMN_SPLIT_INPUT_GRAD_ROWS for input gradients."""
     panels = -(-width // 16) * 16  # B's columns, padded to whole 16-column panels as packed
     if depth * panels <= ROW_SPLIT_PACK_FLOATS or (input_grad and width >= WIDE_RATIO * depth):
         return PACKED_MAX_ROWS
-    return COLUMN_SPLIT_INPUT_GRAD_ROWS if input_grad else MAX_ROWS
+    return COLUMN_SPLIT_INPUT_GRAD_ROWS if input_grad else IN_PLACE_MAX_ROWS
 
 
 def _kernel_for(inputs: tuple[Tensor, ...], out: Optional[Tensor]) -> Optional[tuple[ctypes.CDLL, tuple[int, int, int]]]:
@@ -335,7 +336,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor]) -> bool:
             f"linear_into: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
             f"{None if b is None else tuple(b.shape)} and out {tuple(out.shape)} do not fit"
         )
-    if rows > MAX_ROWS:  # the packed product: A = x [rows, I], B = wᵀ read from w's rows
+    in_place = x.dtype == torch.float32 and rows <= IN_PLACE_MAX_ROWS
+    if rows > MAX_ROWS and not in_place:  # the packed product: A = x [rows, I], B = wᵀ read from w's rows
         if x.dtype == torch.float32:
             return rows <= packed_max_rows(I, O, False) and _product(kernel, out, x, False, w, False, b)
         y = x.new_empty(rows, O, dtype=torch.float32)  # bf16: w read as it is, y rounded once

@@ -131,14 +131,15 @@ def test_packed_product_column_split_matches_float64(rows, bias):
 
 
 def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeypatch):
-    """Past the unpacked kernels' rows, float32 products go to the packed product only where
-    B packs whole into ROW_SPLIT_PACK_FLOATS floats, or for input gradients of up to
+    """Past the unpacked kernels' rows (the in-place forward's IN_PLACE_MAX_ROWS for float32
+    forward products), float32 products go to the packed product only where B packs whole
+    into ROW_SPLIT_PACK_FLOATS floats, or for input gradients of up to
     COLUMN_SPLIT_INPUT_GRAD_ROWS rows or whose result is WIDE_RATIO times wider than their
     depth; elsewhere every entry point declines (out untouched) and torch's kernels run. bf16
     weights keep it (torch would copy the whole weight to float32 first)."""
     _needs_kernel()
     _avx2_kernels(monkeypatch)
-    M, R = _small_gemm.MAX_ROWS, _small_gemm.COLUMN_SPLIT_INPUT_GRAD_ROWS
+    M, R = _small_gemm.IN_PLACE_MAX_ROWS, _small_gemm.COLUMN_SPLIT_INPUT_GRAD_ROWS
     # hand-worked: 1024·1024 = 2^20 packs whole; 1024·1040 (1025 columns padded to 65 panels)
     # does not; 1024 deep by 2560 wide is 2.5× wider, 2559 is not
     assert _small_gemm.packed_max_rows(1024, 1024, False) == _small_gemm.PACKED_MAX_ROWS
@@ -153,7 +154,7 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
     out = torch.full((M + 1, O), 7.0)
     assert not _small_gemm.linear_into(out, torch.randn(M + 1, I), w, None)
     assert (out == 7).all()
-    assert _small_gemm.linear_into(out[:M], torch.randn(M, I), w, None)  # (the unpacked kernel)
+    assert _small_gemm.linear_into(out[:M], torch.randn(M, I), w, None)  # (w read in place)
     assert _small_gemm.linear_blocks(torch.randn(M + 1, I), w[None], [(0, 0, M + 1)]) is None
     dx = torch.full((R + 1, I), 7.0)
     assert _small_gemm.input_grad(torch.randn(R + 1, O), w.t(), out=dx) is None
@@ -175,11 +176,16 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
     assert ((out.double() - x.double() @ w_small.double().T).abs() <= _bound(x.double().abs(), w_small.double().abs().T, 200)).all()
 
 
-# from 65 rows: the packed product (tiles of 6 rows, w's rows transposed into 16-column
-# panels 8 by 8; here always in the row split, B packed whole: see the next test for the other)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 97, 200, 700])
+# 1–64 rows: strips of 3 rows of w; 65–128: w read in place (tiles of 6 rows of w by a 16-row
+# panel of xᵀ, or 12 by 8 for a last panel of up to 8 rows: 65, 72 and 97 take those, 90 a part
+# full 16-row one; O = 97, 1100 leave a tile part full, I = 4100 makes several blocks of w a
+# thread); from 129 rows: the packed product (tiles of 6 rows, w's rows transposed into
+# 16-column panels 8 by 8; here always in the row split, B packed whole: see the next test for
+# the other)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 700])
 @pytest.mark.parametrize(
-    "shape", [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261)]
+    "shape",
+    [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261), (50, 4100)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_float64(rows, shape, bias):
@@ -701,9 +707,9 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T,
 
 def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
     """An expert bank whose first projection does not pack whole (D = 128, 2F = 8200: B of
-    128 · 8208 floats > ROW_SPLIT_PACK_FLOATS) and blocks on both sides of MAX_ROWS: the
-    forward's large blocks of that projection go to torch's kernels block by block (the
-    forward's linear_blocks declines the group), its small ones to the unpacked kernel, the
+    128 · 8208 floats > ROW_SPLIT_PACK_FLOATS) and blocks on both sides of IN_PLACE_MAX_ROWS:
+    the forward's large blocks of that projection go to torch's kernels block by block (the
+    forward's linear_blocks declines the group), its small ones to the in-place kernel, the
     down projection (B packs whole) to the packed product; output and every gradient match
     the float64 per-token loop."""
     _needs_kernel()
@@ -717,8 +723,8 @@ def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
 
     monkeypatch.setattr(_small_gemm, "_product", counted)
     torch.manual_seed(5)
-    D, F, E, K, T = 128, 4100, 3, 1, 200
-    assert _small_gemm.packed_max_rows(D, 2 * F, False) == _small_gemm.MAX_ROWS
+    D, F, E, K, T = 128, 4100, 3, 1, 400
+    assert _small_gemm.packed_max_rows(D, 2 * F, False) == _small_gemm.IN_PLACE_MAX_ROWS
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)
     with torch.no_grad():  # one expert with few tokens, two with many
         moe.router.weight[0] -= 0.25 * moe.router.weight[0]
@@ -727,7 +733,7 @@ def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
     params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
     grads = torch.autograd.grad((moe(x) * g).sum(), params)
     counts = moe.stats.tokens_per_expert_E.tolist()
-    assert min(counts) <= _small_gemm.MAX_ROWS < max(counts), counts
+    assert min(counts) <= _small_gemm.IN_PLACE_MAX_ROWS < max(counts), counts
     assert ran["forward product"] == 0  # the first projection's forward never went to the packed product
     leaves = [t.detach().double().requires_grad_() for t in params]
     ref = moe_forward(*leaves, K)
@@ -741,7 +747,8 @@ def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
 def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monkeypatch, path, T):
     """Blocks past MAX_ROWS (150 tokens, top-2 of 4 experts: ~75 rows each; 1200: ~600, past
     grouped.py's oneDNN rows, where the per-block path must still ask the kernel) go to the packed
-    product (per-block: through its Python entry, counted; blocks: from the *_blocks entry
+    product, forward products only past IN_PLACE_MAX_ROWS (w read in place up to it)
+    (per-block: through its Python entry, counted; blocks: from the *_blocks entry
     points' loop in C++), and the SwiGLU work to its one-pass kernels; the output and the
     gradients of the input, the experts' weights and the router (through the routing weights'
     gradient the backward kernel forms) match the float64 per-token loop."""
@@ -775,10 +782,12 @@ def test_layer_runs_packed_products_and_one_pass_swiglu_and_matches_float64(monk
     g = torch.randn(T, D)
     params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
     grads = torch.autograd.grad((moe(x) * g).sum(), params)
-    big = sum(_small_gemm.MAX_ROWS < c <= _small_gemm.PACKED_MAX_ROWS for c in moe.stats.tokens_per_expert_E.tolist())
-    assert T < 1000 or min(moe.stats.tokens_per_expert_E.tolist()) > 512
-    if path == "per-block":
-        assert big >= 1 and ran["product"] == 4 * big  # each: two forward products, two input gradients
+    counts = moe.stats.tokens_per_expert_E.tolist()
+    big = sum(_small_gemm.MAX_ROWS < c <= _small_gemm.PACKED_MAX_ROWS for c in counts)
+    big_forward = sum(_small_gemm.IN_PLACE_MAX_ROWS < c <= _small_gemm.PACKED_MAX_ROWS for c in counts)
+    assert T < 1000 or min(counts) > 512
+    if path == "per-block":  # each: two input gradients, and past IN_PLACE_MAX_ROWS two forward products
+        assert big >= 1 and ran["product"] == 2 * big + 2 * big_forward
     else:
         assert big >= 1 and ran["product"] == 0 and all(ran_blocks.get(name, 0) >= 2 for name in ran_blocks)
     assert ran["swiglu"] >= 1 and ran["swiglu_backward"] >= 1
@@ -795,7 +804,7 @@ def test_linear_blocks_is_linear_into_block_by_block(monkeypatch, experts, kerne
     """One call for every block (repeated experts, gaps between blocks, one-row blocks): each
     block's rows bit for bit what the per-block entry point of the same kernel computes for it
     alone (linear_into, or on AVX-512 CPUs avx512_linear_into), and within the float64 bound.
-    avx2: blocks of up to 100 rows (unpacked and packed, a parallel region each); avx2-decode:
+    avx2: blocks of up to 100 rows (strips and w read in place, a parallel region each); avx2-decode:
     up to 8 rows (all in one parallel region)."""
     _needs_kernel()
     if kernel.startswith("avx2"):
