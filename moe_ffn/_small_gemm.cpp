@@ -147,12 +147,34 @@ void linear_tile(const Linear<W, Y>& p, const float* x, const W* w, Y* y, const 
     for (int j = 0; j < COLS; ++j) store(y + i * p.ldy + j, horizontal_sum(acc[i][j]) + (b ? b[j] : 0.0f));
 }
 
+// A strip of w is read from memory while the first row tile passes over it, and from L1 for
+// the others; with two or more row tiles, the next strip's rows are prefetched into L1 a share
+// before each tile, so that its reads overlap this strip's products. Where the two strips fit
+// in L1 (3 rows of up to kStripPrefetchBytes): GFLOP/s without / with (64 fine-grained or 8
+// Mixtral experts' weights in turn, 9 interleaved rounds, 2-core EPYC), float32, at 8 / 16 /
+// 32 / 64 rows: fine 1024×1024 36 / 36, 46 / 55, 63 / 82, 84 / 86; 1024×512 28 / 38, 37 / 49,
+// 53 / 70, 78 / 94; Mixtral 7168×1024 36 / 40, 57 / 68, 77 / 85, 91 / 99; bf16 weights, fine
+// 1024×1024 44 / 60, 62 / 80, 82 / 97, 94 / 105, Mixtral 7168×1024 at 16 / 64 rows 65 / 83, 92
+// / 102. Longer strips (Mixtral's 1024×3584 in float32, 43 KiB) lost with it: 44 / 40, 65 / 58
+// at 8 / 16 rows (into L2 instead: 46 / 42, 69 / 63). (The last strip's prefetches may reach
+// past w's rows: a prefetch never faults, and the CPU drops one to an unmapped address.)
+constexpr int64_t kStripPrefetchBytes = 12 << 10;
 template <int COLS, typename W, typename Y>
 void linear_strip(const Linear<W, Y>& p, int64_t o, __m256i tail_mask) {
   const W* w = p.w + o * p.ldw;
   const float* b = p.b ? p.b + o : nullptr;
   int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4) linear_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
+  const int64_t row_bytes = p.in_features * int64_t{sizeof(W)}, tiles = p.rows / 4;
+  const bool prefetch = tiles >= 2 && COLS * row_bytes <= kStripPrefetchBytes;
+  const int64_t lines = (row_bytes + 63) / 64, per_tile = prefetch ? (COLS * lines + tiles - 1) / tiles : 0;
+  int64_t next = 0;
+  for (; r + 4 <= p.rows; r += 4) {
+    for (int64_t n = 0; n < per_tile && next < COLS * lines; ++n, ++next) {
+      const int64_t row = next / lines, line = next % lines;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (COLS + row) * p.ldw) + 64 * line, _MM_HINT_T0);
+    }
+    linear_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, b, tail_mask);
+  }
   const float* x = p.x + r * p.ldx;
   Y* y = p.y + r * p.ldy + o;
   switch (p.rows - r) {
@@ -210,8 +232,16 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
 }
 
-// float32 x and w of 65–128 rows of x: the products in place (below, linear_in_place).
+// float32 x and w of 65–128 rows of x: the products in place (below, linear_in_place), but
+// where the strips prefetch (rows of w up to kStripPrefetchBytes / 3 bytes) up to
+// kPrefetchedStripRows rows, where they were ahead of it. GFLOP/s in place / strips (64
+// fine-grained or 8 Mixtral experts' weights in turn, 7 interleaved rounds, 2-core EPYC) at 72
+// / 88 / 100 / 112 / 120 / 128 rows: fine 1024×1024 81 / 97, 82 / 98, 87 / 101, 96 / 95, 84 /
+// 90, 102 / 97; 1024×512 81 / 100, 85 / 102, 85 / 103, 82 / 100, 83 / 95, 97 / 99; Mixtral
+// 7168×1024 88 / 101, 80 / 85 (100), 95 / 93 (112), 110 / 98 (128). Mixtral's 1024×3584
+// (rows too long to prefetch) 96 / 92, 87 / 88, 102 / 84, 106 / 98 at 72 / 100 / 112 / 128.
 constexpr int64_t kInPlaceRows[2] = {65, 128};
+constexpr int64_t kPrefetchedStripRows = 120;
 int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
                     int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team);
 
@@ -223,7 +253,9 @@ int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b,
   // At least 24 rows of w (8 strips) per thread.
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
   if constexpr (std::is_same_v<W, float> && std::is_same_v<Y, float>) {
-    if (rows >= kInPlaceRows[0])  // (to kInPlaceRows[1], the callers' limit: _small_gemm.py's IN_PLACE_MAX_ROWS)
+    // (to kInPlaceRows[1], the callers' limit: _small_gemm.py's IN_PLACE_MAX_ROWS)
+    const bool strips_prefetch = 3 * in_features * int64_t{sizeof(float)} <= kStripPrefetchBytes;
+    if (rows >= kInPlaceRows[0] && (!strips_prefetch || rows > kPrefetchedStripRows))
       return linear_in_place(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, count, team);
   }
   const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
@@ -915,7 +947,8 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 
 // ---- forward in place: yᵀ = w·xᵀ in 6×16 register tiles ---------------------------------------
 //
-// float32, 65–128 rows of x (kInPlaceRows): the packed product's register tiles with the roles
+// float32, 65–128 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
+// product's register tiles with the roles
 // turned, so that the weight is never packed. A tile is 6 rows of w by 16 rows of x: each step
 // broadcasts one value from each of the 6 rows of w, read where they lie, against 16 rows of x
 // packed as one panel of xᵀ (pack_b; x is small, packed once a call); a last panel of at most 8

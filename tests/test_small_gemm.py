@@ -176,10 +176,12 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
     assert ((out.double() - x.double() @ w_small.double().T).abs() <= _bound(x.double().abs(), w_small.double().abs().T, 200)).all()
 
 
-# 1–64 rows: strips of 3 rows of w; 65–128: w read in place (tiles of 6 rows of w by a 16-row
-# panel of xᵀ, or 12 by 8 for a last panel of up to 8 rows: 65, 72 and 97 take those, 90 a part
-# full 16-row one; O = 97, 1100 leave a tile part full, I = 4100 makes several blocks of w a
-# thread); from 129 rows: the packed product (tiles of 6 rows, w's rows transposed into
+# 1–64 rows: strips of 3 rows of w (the next strip prefetched from 8 rows where w's rows are
+# short); 65–128: those strips up to 120 rows, else (here 128 rows, and I = 4100 at all of them)
+# w read in place (tiles of 6 rows of w by a 16-row panel of xᵀ, or 12 by 8 for a last panel
+# of up to 8 rows: 65, 72 and 97 take those, 90 a part full 16-row one; O = 97, 1100 leave a
+# tile part full, I = 4100 makes several blocks of w a thread); from 129 rows: the packed
+# product (tiles of 6 rows, w's rows transposed into
 # 16-column panels 8 by 8; here always in the row split, B packed whole: see the next test for
 # the other)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 700])
@@ -237,8 +239,8 @@ def test_bf16_linear_past_the_unpacked_rows_is_the_float32_product_rounded_once(
     wide = torch.full((rows, O + 2), 7.0).bfloat16()
     out = wide[:, 1 : O + 1]
     assert _small_gemm.linear_into(out, x, w, None)
-    out32 = torch.empty(rows, O)
-    assert _small_gemm.linear_into(out32, x.float(), w.float(), None)
+    out32 = torch.empty(rows, O)  # (float32 linear_into runs these rows unpacked: the product itself)
+    assert _small_gemm._product(_small_gemm._kernel(), out32, x.float(), False, w.float(), False)
     assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
     assert (wide[:, 0] == 7).all() and (wide[:, O + 1] == 7).all()
     assert not _small_gemm.linear_into(out, x, w, torch.zeros(O).bfloat16())
