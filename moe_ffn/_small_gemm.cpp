@@ -232,15 +232,19 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
 }
 
-// float32 x and w of 65–128 rows of x: the products in place (below, linear_in_place), but
-// where the strips prefetch (rows of w up to kStripPrefetchBytes / 3 bytes) up to
-// kPrefetchedStripRows rows, where they were ahead of it. GFLOP/s in place / strips (64
-// fine-grained or 8 Mixtral experts' weights in turn, 7 interleaved rounds, 2-core EPYC) at 72
-// / 88 / 100 / 112 / 120 / 128 rows: fine 1024×1024 81 / 97, 82 / 98, 87 / 101, 96 / 95, 84 /
-// 90, 102 / 97; 1024×512 81 / 100, 85 / 102, 85 / 103, 82 / 100, 83 / 95, 97 / 99; Mixtral
-// 7168×1024 88 / 101, 80 / 85 (100), 95 / 93 (112), 110 / 98 (128). Mixtral's 1024×3584
-// (rows too long to prefetch) 96 / 92, 87 / 88, 102 / 84, 106 / 98 at 72 / 100 / 112 / 128.
-constexpr int64_t kInPlaceRows[2] = {65, 128};
+// float32 x and w of up to 128 rows of x: the products in place (below, linear_in_place) from
+// kInPlaceLongRows rows where w's rows are too long for the strips to prefetch (more than
+// kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else past kPrefetchedStripRows rows,
+// where the strips were behind it. GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
+// experts' weights in turn, 7 interleaved rounds, 2-core EPYC). Long rows (Mixtral's
+// 1024×3584) at 8 / 12 / 16 / 20 / 24 / 32 / 40 / 48 / 64 rows: 43 / 44, 53 / 59, 62 / 80, 66
+// / 64, 74 / 80, 80 / 94, 84 / 89, 89 / 101, 88 / 98; at 72 / 100 / 112 / 128 rows 92 / 96, 88
+// / 87, 84 / 102, 98 / 106. Short rows at 72 / 88 / 100 / 112 / 120 / 128 rows: fine
+// 1024×1024 97 / 81, 98 / 82, 101 / 87, 95 / 96, 90 / 84, 97 / 102; 1024×512 100 / 81, 102 /
+// 85, 103 / 85, 100 / 82, 95 / 83, 99 / 97; Mixtral 7168×1024 101 / 88 (72), 85 / 80 (100), 93
+// / 95 (112), 98 / 110 (128).
+constexpr int64_t kInPlaceRows[2] = {12, 128};
+constexpr int64_t kInPlaceLongRows = kInPlaceRows[0];
 constexpr int64_t kPrefetchedStripRows = 120;
 int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
                     int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team);
@@ -255,7 +259,7 @@ int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b,
   if constexpr (std::is_same_v<W, float> && std::is_same_v<Y, float>) {
     // (to kInPlaceRows[1], the callers' limit: _small_gemm.py's IN_PLACE_MAX_ROWS)
     const bool strips_prefetch = 3 * in_features * int64_t{sizeof(float)} <= kStripPrefetchBytes;
-    if (rows >= kInPlaceRows[0] && (!strips_prefetch || rows > kPrefetchedStripRows))
+    if (strips_prefetch ? rows > kPrefetchedStripRows : rows >= kInPlaceLongRows)
       return linear_in_place(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, count, team);
   }
   const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
@@ -947,7 +951,7 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 
 // ---- forward in place: yᵀ = w·xᵀ in 6×16 register tiles ---------------------------------------
 //
-// float32, 65–128 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
+// float32, 12–128 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
 // product's register tiles with the roles
 // turned, so that the weight is never packed. A tile is 6 rows of w by 16 rows of x: each step
 // broadcasts one value from each of the 6 rows of w, read where they lie, against 16 rows of x

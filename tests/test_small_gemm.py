@@ -177,17 +177,18 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
 
 
 # 1–64 rows: strips of 3 rows of w (the next strip prefetched from 8 rows where w's rows are
-# short); 65–128: those strips up to 120 rows, else (here 128 rows, and I = 4100 at all of them)
-# w read in place (tiles of 6 rows of w by a 16-row panel of xᵀ, or 12 by 8 for a last panel
-# of up to 8 rows: 65, 72 and 97 take those, 90 a part full 16-row one; O = 97, 1100 leave a
-# tile part full, I = 4100 makes several blocks of w a thread); from 129 rows: the packed
-# product (tiles of 6 rows, w's rows transposed into
+# short, I ≤ 1024); 65–128: those strips up to 120 rows; w read in place from 121 rows, and
+# from 12 rows where the rows are long (I = 1025, 4100): tiles of 6 rows of w by a 16-row
+# panel of xᵀ, or 12 by 8 for a last panel of up to 8 rows (65, 72 and 97 take those, 90 a
+# part full 16-row one; O = 97, 1100 leave a tile part full, I = 4100 makes several blocks of
+# w a thread); from 129 rows: the packed product (tiles of 6 rows, w's rows transposed into
 # 16-column panels 8 by 8; here always in the row split, B packed whole: see the next test for
 # the other)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 700])
 @pytest.mark.parametrize(
     "shape",
-    [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261), (50, 4100)],
+    [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261), (50, 4100),
+     (13, 1025)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_float64(rows, shape, bias):
