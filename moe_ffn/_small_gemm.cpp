@@ -232,7 +232,7 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);
 }
 
-// float32 x and w of up to 128 rows of x: the products in place (below, linear_in_place) from
+// float32 x and w of up to 256 rows of x: the products in place (below, linear_in_place) from
 // kInPlaceLongRows rows where w's rows are too long for the strips to prefetch (more than
 // kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else past kPrefetchedStripRows rows,
 // where the strips were behind it. GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
@@ -242,8 +242,11 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
 // / 87, 84 / 102, 98 / 106. Short rows at 72 / 88 / 100 / 112 / 120 / 128 rows: fine
 // 1024×1024 97 / 81, 98 / 82, 101 / 87, 95 / 96, 90 / 84, 97 / 102; 1024×512 100 / 81, 102 /
 // 85, 103 / 85, 100 / 82, 95 / 83, 99 / 97; Mixtral 7168×1024 101 / 88 (72), 85 / 80 (100), 93
-// / 95 (112), 98 / 110 (128).
-constexpr int64_t kInPlaceRows[2] = {12, 128};
+// / 95 (112), 98 / 110 (128). Up to 256 rows since it was ahead of the packed product and of
+// oneDNN there too (5 rounds, GFLOP/s packed or oneDNN / in place, at 192 / 256 rows): fine
+// 1024×1024 76 / 85, 90 / 101, 1024×512 94 / 91, 95 / 98 (at 384 level: 101 / 102, 107 /
+// 102); Mixtral 7168×1024 100 / 106, 106 / 99, 1024×3584 99 / 107, 90 / 101.
+constexpr int64_t kInPlaceRows[2] = {12, 256};
 constexpr int64_t kInPlaceLongRows = kInPlaceRows[0];
 constexpr int64_t kPrefetchedStripRows = 120;
 int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
@@ -951,7 +954,7 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 
 // ---- forward in place: yᵀ = w·xᵀ in 6×16 register tiles ---------------------------------------
 //
-// float32, 12–128 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
+// float32, 12–256 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
 // product's register tiles with the roles
 // turned, so that the weight is never packed. A tile is 6 rows of w by 16 rows of x: each step
 // broadcasts one value from each of the 6 rows of w, read where they lie, against 16 rows of x
@@ -967,8 +970,8 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 // level (87 / 78, 84 / 92, 99 / 97, 103 / 95, 109 / 118). Fewer rows stay on the strips above:
 // the in-place tiles were behind them wherever the rows leave a panel part full (fine 1024×1024
 // at 17 / 24 / 40 rows 57 / 38, 69 / 54, 86 / 68), level at 32 and 48 (80 / 84, 87 / 90). Past
-// 128 rows the packed product (from 256 rows it was ahead: fine 1024×512 at 512 rows 119 / 102)
-// or torch's kernels, as before.
+// 256 rows the packed product (at 512 rows it was ahead: fine 1024×512 119 / 102) or torch's
+// kernels, as before.
 constexpr int64_t kInPlaceBlockBytes = 256 << 10;
 
 template <int ROWS>

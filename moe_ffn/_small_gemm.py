@@ -113,7 +113,7 @@ from torch import Tensor
 from moe_ffn import _memory
 
 MAX_ROWS = 64
-IN_PLACE_MAX_ROWS = 128  # float32 forward products of MAX_ROWS+1 to this many rows: w read in place, unpacked (_small_gemm.cpp)
+IN_PLACE_MAX_ROWS = 256  # float32 forward products of MAX_ROWS+1 to this many rows: w read in place, unpacked (_small_gemm.cpp)
 INPUT_GRAD_ROWS = (2, 64)
 PACKED_MAX_ROWS = 1024  # forward and input gradient products of MAX_ROWS+1 to this many rows
 WEIGHT_GRAD_MAX_ROWS = 1024

@@ -177,14 +177,14 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
 
 
 # 1–64 rows: strips of 3 rows of w (the next strip prefetched from 8 rows where w's rows are
-# short, I ≤ 1024); 65–128: those strips up to 120 rows; w read in place from 121 rows, and
+# short, I ≤ 1024); 65–256: those strips up to 120 rows; w read in place from 121 rows, and
 # from 12 rows where the rows are long (I = 1025, 4100): tiles of 6 rows of w by a 16-row
 # panel of xᵀ, or 12 by 8 for a last panel of up to 8 rows (65, 72 and 97 take those, 90 a
 # part full 16-row one; O = 97, 1100 leave a tile part full, I = 4100 makes several blocks of
-# w a thread); from 129 rows: the packed product (tiles of 6 rows, w's rows transposed into
+# w a thread); from 257 rows: the packed product (tiles of 6 rows, w's rows transposed into
 # 16-column panels 8 by 8; here always in the row split, B packed whole: see the next test for
 # the other)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 700])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 256, 257, 700])
 @pytest.mark.parametrize(
     "shape",
     [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261), (50, 4100),
@@ -726,7 +726,7 @@ def test_layer_with_weights_past_the_row_split_matches_float64(monkeypatch):
 
     monkeypatch.setattr(_small_gemm, "_product", counted)
     torch.manual_seed(5)
-    D, F, E, K, T = 128, 4100, 3, 1, 400
+    D, F, E, K, T = 128, 4100, 3, 1, 800
     assert _small_gemm.packed_max_rows(D, 2 * F, False) == _small_gemm.IN_PLACE_MAX_ROWS
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K)
     with torch.no_grad():  # one expert with few tokens, two with many
