@@ -187,9 +187,10 @@ void linear_strip(const Linear<W, Y>& p, int64_t o, __m256i tail_mask) {
 
 // One row of x against bf16 weights (each block of a one-token decode step): w's rows
 // [first, last) read one after another, four accumulators a row (32 weights a step), each
-// line prefetched kRowPrefetchBytes ahead. The strips of 3 rows below keep one accumulator a
-// row, and with bf16 weights (widened on the way) their three dependent FMA chains, not
-// memory, set the pace: one row, 2 Mixtral experts' projections (44 MB of bf16 weights, 8
+// line prefetched kRowPrefetchBytes ahead. The strips of 3 rows below (one accumulator a row,
+// three rows of w read side by side) read bf16 weights for one row at ~8.6 GB/s where a plain
+// read ran at 12–16 (which of the two holds them back was not pinned down). One row, 2
+// Mixtral experts' projections (44 MB of bf16 weights, 8
 // experts in turn, 40 interleaved rounds, 2-core EPYC) 5.12 → 3.71 ms (8.6 → 11.9 GB/s), 8 of
 // the fine-grained shape's 3.58 → 2.24 ms; without the prefetch 3.96 / 2.49. float32 weights
 // keep the strips: there the rows-one-after-another read was 1.08-1.20× slower (Mixtral 6.59
