@@ -407,7 +407,8 @@ void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int6
     // 1024×512 52 / 58, 76 / 80; Mixtral 7168×1024 64 / 72, 86 / 91; 1024×3584 69 / 72, 89 /
     // 90 (into L2 instead: +0–8 %).
     const int64_t next = o0 + chunk, next_count = pack ? std::max<int64_t>(0, std::min(chunk, out_features - next)) : 0;
-    const int64_t panels = (width + 23) / 24 + 2, per_panel = (next_count + panels - 1) / panels;
+    const int64_t panels = (width + 23) / 24 + 2;  // (at most: 24-column ones, one of 8, one masked)
+    const int64_t per_panel = (next_count + panels - 1) / panels;
     int64_t fetched = 0;
     auto prefetch_share = [&]() {
       for (int64_t n = 0; n < per_panel && fetched < next_count; ++n, ++fetched) {
@@ -955,23 +956,21 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 
 // ---- forward in place: yᵀ = w·xᵀ in 6×16 register tiles ---------------------------------------
 //
-// float32, 12–256 rows of x (kInPlaceRows; see there for the rows the strips keep): the packed
-// product's register tiles with the roles
-// turned, so that the weight is never packed. A tile is 6 rows of w by 16 rows of x: each step
-// broadcasts one value from each of the 6 rows of w, read where they lie, against 16 rows of x
-// packed as one panel of xᵀ (pack_b; x is small, packed once a call); a last panel of at most 8
-// rows takes tiles of 12 rows of w by 8. The threads split w's rows; each walks its rows in
-// blocks of kInPlaceBlockBytes of w (kept in L2) and passes every panel under a block's tiles.
-// Where it replaced the packed product (which first copies the whole weight into panels: the
-// fine-grained shape's 4 MiB per expert) and oneDNN's inner product (torch's choice for
-// Mixtral's weights): GFLOP/s, 64 fine-grained or 8 Mixtral experts' weights in turn, 7
-// interleaved rounds, 2-core EPYC, before / after, at 65 / 72 / 88 / 100 / 128 rows: fine
-// 1024×1024 58 / 72, 64 / 85, 70 / 84, 73 / 82, 85 / 93; 1024×512 60 / 77, 67 / 92, 69 / 89, 78
-// / 87, 85 / 91; Mixtral 1024×3584 86 / 95, 92 / 104, 98 / 112, 99 / 112, 104 / 117; 7168×1024
-// level (87 / 78, 84 / 92, 99 / 97, 103 / 95, 109 / 118). Fewer rows stay on the strips above:
-// the in-place tiles were behind them wherever the rows leave a panel part full (fine 1024×1024
-// at 17 / 24 / 40 rows 57 / 38, 69 / 54, 86 / 68), level at 32 and 48 (80 / 84, 87 / 90). Past
-// 256 rows the packed product (at 512 rows it was ahead: fine 1024×512 119 / 102) or torch's
+// float32, 12–256 rows of x (kInPlaceRows says which of them; the strips above keep the
+// others): the packed product's register tiles with the roles turned, so that the weight is
+// never packed. A tile is 6 rows of w by 16 rows of x: each step broadcasts one value from
+// each of the 6 rows of w, read where they lie, against 16 rows of x packed as one panel of xᵀ
+// (pack_b; x is small, packed once a call); a last panel of at most 8 rows takes tiles of 12
+// rows of w by 8. The threads split w's rows; each walks its rows in blocks of
+// kInPlaceBlockBytes of w (kept in L2) and passes every panel under a block's tiles. Its first
+// measurement, at 65–128 rows against the packed product (which first copies the whole weight
+// into panels: the fine-grained shape's 4 MiB per expert) and oneDNN's inner product (torch's
+// choice for Mixtral's weights), before the strips prefetched: GFLOP/s, 7 interleaved rounds,
+// before / after, at 65 / 72 / 88 / 100 / 128 rows: fine 1024×1024 58 / 72, 64 / 85, 70 / 84,
+// 73 / 82, 85 / 93; Mixtral 1024×3584 86 / 95, 92 / 104, 98 / 112, 99 / 112, 104 / 117;
+// 7168×1024 level. Against the strips without prefetch it was behind wherever the rows leave
+// a panel part full (fine 1024×1024 at 17 / 24 / 40 rows 57 / 38, 69 / 54, 86 / 68). Past 256
+// rows the packed product (at 512 rows it was ahead: fine 1024×512 119 / 102) or torch's
 // kernels, as before.
 constexpr int64_t kInPlaceBlockBytes = 256 << 10;
 
