@@ -65,7 +65,9 @@ namespace {
 // vector only its `last` lanes. The accumulators stay in registers only if nothing in the tile
 // depends on run-time choices (GCC kept them on the stack, storing all 24 every step, when the
 // store's mode and the mask were run-time values: 2.6× slower), hence the template flags.
-template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM>
+// With A_ROWS, a's rows are c's rows (a [m, k], the product a·b, c's row i reading a[i·lda + s]
+// at step s); without, a's rows are the steps (a [k, m], aᵀ·b, reading a[s·lda + i]).
+template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false>
 void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t k,
           __mmask16 last) {
   __m512 acc[ROWS][VECS];
@@ -76,10 +78,10 @@ void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, in
     for (int j = 0; j < VECS; ++j)
       b_s[j] = MASKED && j + 1 == VECS ? _mm512_maskz_loadu_ps(last, b + 16 * j) : _mm512_loadu_ps(b + 16 * j);
     for (int i = 0; i < ROWS; ++i) {
-      const __m512 a_i = _mm512_set1_ps(a[i]);
+      const __m512 a_i = _mm512_set1_ps(A_ROWS ? a[i * lda] : a[i]);
       for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
     }
-    a += lda;
+    a += A_ROWS ? 1 : lda;
     b += ldb;
   }
   for (int i = 0; i < ROWS; ++i)
@@ -132,6 +134,77 @@ void rows_range(const WeightGrad& p, int64_t first, int64_t last) {
     default: break;
   }
   if (STREAM) _mm_sfence();
+}
+
+// ---- product a·b (input gradients g·W) ---------------------------------------------------
+
+struct Matmul {
+  const float* a;  // [m, k] (A_ROWS) or [k, m], rows lda apart
+  int64_t lda;
+  const float* b;  // [k, n], rows ldb apart
+  int64_t ldb;
+  float* c;  // [m, n], rows ldc apart
+  int64_t ldc;
+  int64_t m, k, n;
+};
+
+// The same register tiles as the weight gradient, the sums over k taken kMatmulDepth steps at
+// a time (b's kMatmulDepth×64 panel, 32 KiB, stays in L1 while every row tile of a block of
+// kMatmulRows rows of c passes over it; c's block, added to once per pass, stays in L2).
+constexpr int64_t kMatmulDepth = 128;
+constexpr int64_t kMatmulRows = 96;
+
+template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE>
+void matmul_panel(const Matmul& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t q, __mmask16 last) {
+  const int64_t row_step = A_ROWS ? p.lda : 1;  // from one row of c to the next in a
+  const float* a = p.a + (A_ROWS ? r0 * p.lda + s0 : s0 * p.lda + r0);
+  const float* b = p.b + s0 * p.ldb + q;
+  float* c = p.c + r0 * p.ldc + q;
+  const int64_t rows = r1 - r0;
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6)
+    tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a + r * row_step, p.lda, b, p.ldb, c + r * p.ldc, p.ldc, depth, last);
+  a += r * row_step;
+  c += r * p.ldc;
+  switch (rows - r) {
+    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, p.ldb, c, p.ldc, depth, last); break;
+    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, p.ldb, c, p.ldc, depth, last); break;
+    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, p.ldb, c, p.ldc, depth, last); break;
+    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, p.ldb, c, p.ldc, depth, last); break;
+    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, p.ldb, c, p.ldc, depth, last); break;
+    default: break;
+  }
+}
+
+// c's rows [r0, r1) and columns [first, last_column), steps [s0, s0 + depth) of the sums.
+template <bool A_ROWS, bool ACCUMULATE>
+void matmul_pass(const Matmul& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t first,
+                 int64_t last_column) {
+  int64_t q = first;
+  for (; q + 64 <= last_column; q += 64) matmul_panel<A_ROWS, 4, false, ACCUMULATE>(p, r0, r1, s0, depth, q, 0xFFFF);
+  const int64_t rest = last_column - q;
+  if (rest == 0) return;
+  const int64_t vecs = (rest + 15) / 16;
+  const __mmask16 lanes = static_cast<__mmask16>((1u << (rest - (vecs - 1) * 16)) - 1);
+  switch (vecs) {
+    case 1: matmul_panel<A_ROWS, 1, true, ACCUMULATE>(p, r0, r1, s0, depth, q, lanes); break;
+    case 2: matmul_panel<A_ROWS, 2, true, ACCUMULATE>(p, r0, r1, s0, depth, q, lanes); break;
+    case 3: matmul_panel<A_ROWS, 3, true, ACCUMULATE>(p, r0, r1, s0, depth, q, lanes); break;
+    default: matmul_panel<A_ROWS, 4, true, ACCUMULATE>(p, r0, r1, s0, depth, q, lanes); break;
+  }
+}
+
+// c's rows [first_row, last_row) and columns [first, last_column).
+template <bool A_ROWS>
+void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t first, int64_t last_column) {
+  for (int64_t r0 = first_row; r0 < last_row; r0 += kMatmulRows) {
+    const int64_t r1 = std::min(last_row, r0 + kMatmulRows);
+    for (int64_t s0 = 0; s0 < p.k; s0 += kMatmulDepth) {
+      const int64_t depth = std::min(kMatmulDepth, p.k - s0);
+      if (s0 == 0) matmul_pass<A_ROWS, false>(p, r0, r1, s0, depth, first, last_column);
+      else matmul_pass<A_ROWS, true>(p, r0, r1, s0, depth, first, last_column);
+    }
+  }
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -254,6 +327,29 @@ extern "C" int moe_ffn_avx512_weight_grad_f32(const float* a, int64_t lda, const
     int64_t first, last;
     share(m, 6, t, parts, &first, &last);
     run_rows(p, first, last);
+  });
+  return 0;
+}
+
+// c = a·b for float32 a [m, k] (a_steps_are_rows 0), or c = aᵀ·b for a [k, m] (1), with b
+// [k, n], c [m, n] (row strides in elements, last dims contiguous; k ≥ 1). The threads split
+// c's columns where each gets 64 or more, else its rows. Returns 0, or -1 for arguments it
+// does not take (c untouched).
+extern "C" int moe_ffn_avx512_matmul_f32(const float* a, int64_t lda, int a_steps_are_rows, const float* b,
+                                         int64_t ldb, float* c, int64_t ldc, int64_t m, int64_t k, int64_t n,
+                                         int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (!ready() || m < 0 || k < 1 || n < 0 || threads < 1) return -1;
+  const Matmul p{a, lda, b, ldb, c, ldc, m, k, n};
+  const bool by_columns = n >= 64 * threads;
+  const int64_t units = by_columns ? n : m, step = by_columns ? 64 : 6;
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, units / (by_columns ? 64 : 24)));
+  on_team(make_team(parallel, thread_num, num_threads), count, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(units, step, t, parts, &first, &last);
+    const int64_t r0 = by_columns ? 0 : first, r1 = by_columns ? m : last;
+    const int64_t q0 = by_columns ? first : 0, q1 = by_columns ? last : n;
+    if (a_steps_are_rows) matmul_range<false>(p, r0, r1, q0, q1);
+    else matmul_range<true>(p, r0, r1, q0, q1);
   });
   return 0;
 }

@@ -628,11 +628,12 @@ def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], 
 AVX512_FORWARD_ROWS = (1, 64)
 
 
-def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
+def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor, limits: Optional[tuple[int, int]] = None) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
-    AVX512_FORWARD_ROWS rows; returns whether it ran (when False, `out` is untouched)."""
+    rows within `limits` (default AVX512_FORWARD_ROWS); returns whether it ran (when False,
+    `out` is untouched)."""
     rows = x.shape[0]
-    found = _avx512_for(rows, AVX512_FORWARD_ROWS, (x, w), out)
+    found = _avx512_for(rows, AVX512_FORWARD_ROWS if limits is None else limits, (x, w), out)
     if found is None:
         return False
     linear, openmp = found[0][0], found[1]
@@ -646,14 +647,16 @@ def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     return status == 0
 
 
-def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = False) -> bool:
+def avx512_weight_grad_into(
+    out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = False, limits: Optional[tuple[int, int]] = None
+) -> bool:
     """out = a_t·b (out += a_t·b with `accumulate`) for a_t = a.t() (float32 a [k, m] with
-    contiguous rows) and b [k, n] by the AVX-512 kernel, for AVX512_WEIGHT_GRAD_ROWS rows k;
-    returns whether it ran (when False, `out` is untouched). `out`'s old contents are not
-    read unless accumulating."""
+    contiguous rows) and b [k, n] by the AVX-512 kernel, for rows k within `limits` (default
+    AVX512_WEIGHT_GRAD_ROWS); returns whether it ran (when False, `out` is untouched). `out`'s
+    old contents are not read unless accumulating."""
     a = a_t.t()
     k = a.shape[0]
-    found = _avx512_for(k, AVX512_WEIGHT_GRAD_ROWS, (a, b), out)
+    found = _avx512_for(k, AVX512_WEIGHT_GRAD_ROWS if limits is None else limits, (a, b), out)
     if found is None:
         return False
     weight_grad, openmp = found[0][1], found[1]
@@ -666,6 +669,73 @@ def avx512_weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: boo
     status = weight_grad(
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), k, m, n,
         int(accumulate), int(stream), torch.get_num_threads(), *openmp,
+    )
+    return status == 0
+
+
+# AMD's AVX-512 CPUs: torch's float32 GEMMs on MKL's sgemm run its AVX2 code there, at half
+# the width of the FMAs (oneDNN's, which the layer's forward products use, run at AVX-512).
+# On the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (2026-12-02, 8 expert weights of the
+# benchmark's shapes in turn, 7 rounds, GFLOP/s torch.matmul → this file's AVX-512 kernels):
+# a 4096² product 174 → 273; input gradients g·W on the blocked product (`avx512_matmul_into`)
+# 8 rows 32–37 → 92–98, 64 rows 95–124 → 244–273, 256–1024 rows 133–174 → 212–334; weight
+# gradients of 1–128 rows on the outer-product kernel 74–152 → 216–348 and of more rows on
+# the blocked product 137–174 → 245–338 (the outer-product kernel 159–300 there). In the
+# layer, fp32 forward+backward (interleaved A/B in one process, 5 rounds at T=256, 3 at 2048,
+# ms): Mixtral T=256 194.9 → 135.7, T=2048 1593.7 → 1010.1; fine-grained T=256 139.0 → 96.6,
+# T=2048 985.7 → 628.3 (transformers' grouped_mm in the same rounds 577.6, 2396.3, 377.2,
+# 1800.0). The forward products stay as they were (x·wᵀ as dot products on 1–64 rows, oneDNN
+# past them): on the blocked product as yᵀ = w·xᵀ the forward lost (fine-grained T=2048 173.9
+# → 272.1 ms), and the dot products to 128 rows were level (Mixtral T=256 51.8 / 54.8). Where
+# sgemm runs its AVX-512 code (Intel's CPUs; the Xeon's numbers above) the choices there stand.
+SGEMM_AVX2_WEIGHT_GRAD_ROWS = (1, 128)  # avx512_weight_grad_into; more rows on avx512_matmul_into
+
+
+def sgemm_at_avx2_width() -> bool:
+    """Whether torch reports AVX512 on a CPU whose vendor is AMD (where MKL's sgemm runs its
+    AVX2 code) and the AVX-512 kernels run: then they take float32 input and weight gradients."""
+    return _torch_on_avx512() and _vendor_is_amd() and _avx512_entry_points() is not None and available()
+
+
+@functools.lru_cache(maxsize=None)
+def _vendor_is_amd() -> bool:
+    try:
+        return "vendor_id\t: AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_entry_point():
+    lib = library()
+    fn = getattr(lib, "moe_ffn_avx512_matmul_f32", None) if lib is not None else None
+    if fn is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [ptr, i64, c_int, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
+    fn.restype = c_int
+    return fn
+
+
+def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
+    """out = a·b for float32 a [m, k] (contiguous rows, or the transpose of a tensor with
+    contiguous rows), b [k, n] with contiguous rows, by the AVX-512 blocked product; returns
+    whether it ran (when False, `out` is untouched; its old contents are never read)."""
+    if a.dim() != 2 or b.dim() != 2 or out.dim() != 2:
+        raise ValueError(f"avx512_matmul_into: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}: 2-d tensors expected")
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(f"avx512_matmul_into: a {tuple(a.shape)}, b {tuple(b.shape)} and out {tuple(out.shape)} do not fit")
+    steps_are_rows = not _rows_contiguous(a) and _rows_contiguous(a.t())
+    source = a.t() if steps_are_rows else a
+    fn = _matmul_entry_point() if _avx512_entry_points() is not None and _torch_on_avx512() else None
+    kernel = _kernel_for((source, b), out) if fn is not None and k >= 1 else None
+    if kernel is None or not all(t.dtype == torch.float32 for t in (a, b, out)):
+        return False
+    status = fn(
+        source.data_ptr(), source.stride(0), int(steps_are_rows), b.data_ptr(), b.stride(0), out.data_ptr(),
+        out.stride(0), m, k, n, torch.get_num_threads(), *kernel[1],
     )
     return status == 0
 

@@ -193,6 +193,10 @@ def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Ten
     if x.dtype != torch.float32 or x.device.type != "cpu" or rows == 0:
         return F.linear(x, w, b)
     if b is None and not w.is_contiguous():  # g·W, an input gradient (see _small_gemm)
+        if _small_gemm.sgemm_at_avx2_width():
+            y = out if out is not None else x.new_empty(rows, w.shape[0])
+            if _small_gemm.avx512_matmul_into(y, x, w.t()):
+                return y
         y = _small_gemm.input_grad(x, w, out=out)
         if y is not None:
             return y
@@ -347,8 +351,12 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
     if a.dtype == out.dtype:
         if out.dtype == torch.bfloat16 and _amx.weight_grad_into(out, a, b, accumulate):
             return  # AMX CPUs (see _amx); old contents are not read unless accumulating
-        if _small_gemm.avx512_weight_grad_into(out, a, b, accumulate):
-            return  # float32 on AVX-512 CPUs, 16–96 rows (see _small_gemm); likewise
+        wide = _small_gemm.sgemm_at_avx2_width()  # (AMD's AVX-512 CPUs, see _small_gemm)
+        limits = _small_gemm.SGEMM_AVX2_WEIGHT_GRAD_ROWS if wide else None
+        if _small_gemm.avx512_weight_grad_into(out, a, b, accumulate, limits=limits):
+            return  # float32 on AVX-512 CPUs, 1–96 rows (1-128 with `wide`; see _small_gemm); likewise
+        if wide and not accumulate and a.shape[1] > limits[1] and _small_gemm.avx512_matmul_into(out, a, b):
+            return  # the blocked product past them
         if _small_gemm.weight_grad_into(out, a, b, accumulate):
             return  # float32 on AVX2 CPUs (see _small_gemm); old contents are not read unless accumulating
         if (

@@ -655,3 +655,29 @@ def test_grouped_mm_path_is_taken_only_for_aligned_operands(monkeypatch):
     assert calls == [] and y.shape == (5, 16)
     grouped_linear(torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(2, 16, 16, dtype=torch.bfloat16), counts)
     assert len(calls) == 1
+
+
+def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(monkeypatch):
+    """Where MKL's sgemm runs at AVX2 width on an AVX-512 CPU (_small_gemm.sgemm_at_avx2_width,
+    forced here), every float32 input gradient g·W runs on the blocked product, and so do the
+    weight gradients of blocks past SGEMM_AVX2_WEIGHT_GRAD_ROWS (the 130-row block's, not the
+    others'); the float64 loop's outputs and gradients come out."""
+    if grouped._small_gemm._avx512_entry_points() is None or grouped._small_gemm._matmul_entry_point() is None:
+        pytest.skip("no AVX-512 kernels here (CPU without AVX-512, or the library not built)")
+    monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: True)
+    calls = []
+    real = grouped._small_gemm.avx512_matmul_into
+
+    def spy(out, a, b):
+        ran = real(out, a, b)
+        calls.append(("weight" if a.stride(0) == 1 and a.shape[1] > 1 else "input", a.shape[0] if a.stride(0) != 1 else a.shape[1], ran))
+        return ran
+
+    monkeypatch.setattr(grouped._small_gemm, "avx512_matmul_into", spy)
+    D, F = 96, 80
+    _float32_blocks_match_float64(torch.tensor([1, 130, 0, 12]), D, F, bias=False)
+    assert all(ran for *_, ran in calls)
+    inputs = sorted(rows for kind, rows, _ in calls if kind == "input")
+    weights = sorted(rows for kind, rows, _ in calls if kind == "weight")
+    assert inputs == [1, 1, 12, 12, 130, 130]  # through W2, then W1, per block
+    assert weights == [130, 130]

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1075,3 +1076,53 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
     finally:
         _memory.release_gradient_memory()
     assert ran.count(True) >= 2 * 2 * 3  # both projections of (almost) every expert, steps 2 and 3
+
+
+def test_avx512_gradients_run_where_sgemm_runs_at_avx2_width():
+    """On an AMD CPU that torch runs at AVX-512 (MKL's sgemm there runs its AVX2 code), with
+    the library built, float32 gradients must go to the AVX-512 kernels: the choice must not
+    fall back to torch's kernels unnoticed. Read here from /proc/cpuinfo on its own."""
+    try:
+        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amd = False
+    if not amd or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("not an AMD CPU that torch runs at AVX-512")
+    assert _small_gemm.library() is not None, "the kernel library did not build (test_kernel_is_built_here)"
+    assert _small_gemm.sgemm_at_avx2_width()
+    assert _small_gemm._matmul_entry_point() is not None
+
+
+@pytest.mark.parametrize(
+    "m, k, n",
+    [(1, 1, 1), (5, 17, 3), (7, 129, 70), (97, 300, 130), (200, 257, 1040), (13, 1024, 100), (6, 128, 64)],
+)
+@pytest.mark.parametrize("a_transposed", [False, True])
+def test_avx512_matmul_matches_float64(m, k, n, a_transposed):
+    """a·b on the blocked product into a slice of a wider tensor holding NaNs (old contents
+    never read, margins untouched): row tiles of 6 and their tails, more than one 96-row block,
+    sums past one 128-step pass (added onto the first), 64-column panels and masked tails, the
+    threads splitting columns (n ≥ 128) or rows; a as it lies or as the transpose of [k, m]."""
+    _needs_avx512_kernel()
+    a = _strided(k, m).t() if a_transposed else _strided(m, k)
+    b = _strided(k, n)
+    wide = torch.full((m, n + 20), float("nan"))
+    out = wide[:, 4 : n + 4]
+    assert _small_gemm.avx512_matmul_into(out, a, b)
+    exact = a.double() @ b.double()
+    assert ((out.double() - exact).abs() <= _bound(a.double().abs(), b.double().abs(), k)).all()
+    assert wide[:, :4].isnan().all() and wide[:, n + 4 :].isnan().all()
+
+
+def test_avx512_matmul_declines_what_it_does_not_take():
+    _needs_avx512_kernel()
+    a, b, out = torch.randn(8, 16), torch.randn(16, 24), torch.full((8, 24), 7.0)
+    assert not _small_gemm.avx512_matmul_into(out.double(), a.double(), b.double())
+    assert not _small_gemm.avx512_matmul_into(out, a, torch.randn(24, 16).t())  # b's rows not contiguous
+    assert not _small_gemm.avx512_matmul_into(out, torch.randn(32, 16)[::2, ::2].t(), b)  # neither layout of a
+    assert not _small_gemm.avx512_matmul_into(torch.full((8, 0), 7.0), torch.randn(8, 0), torch.randn(0, 0))
+    assert bool((out == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.avx512_matmul_into(out, a, torch.randn(15, 24))
+    with pytest.raises(ValueError, match="2-d tensors expected"):
+        _small_gemm.avx512_matmul_into(out, a.unsqueeze(0), b)
