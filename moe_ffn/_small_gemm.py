@@ -628,12 +628,11 @@ def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], 
 AVX512_FORWARD_ROWS = (1, 64)
 
 
-def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor, limits: Optional[tuple[int, int]] = None) -> bool:
+def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
-    rows within `limits` (default AVX512_FORWARD_ROWS); returns whether it ran (when False,
-    `out` is untouched)."""
+    AVX512_FORWARD_ROWS rows; returns whether it ran (when False, `out` is untouched)."""
     rows = x.shape[0]
-    found = _avx512_for(rows, AVX512_FORWARD_ROWS if limits is None else limits, (x, w), out)
+    found = _avx512_for(rows, AVX512_FORWARD_ROWS, (x, w), out)
     if found is None:
         return False
     linear, openmp = found[0][0], found[1]
