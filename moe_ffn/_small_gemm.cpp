@@ -16,7 +16,8 @@
 // forward, a few rows (up to 64): dot products along the contiguous I dim of x and w, in
 // register tiles of up to 4 rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile
 // reuses its 3 rows of w from L1 for every 4 rows of x, so w is streamed from memory once per
-// call and never packed. The threads split the rows of w.
+// call and never packed. bf16 weights against 1–7 rows of x: w's rows read one after another
+// instead (linear_rows). The threads split the rows of w.
 //
 // input gradient, a few rows (up to 64): sums of rows of w scaled by g, in register tiles of
 // up to 4 rows of g by 24 columns of w. w is walked in chunks of consecutive rows, and every
@@ -185,47 +186,90 @@ void linear_strip(const Linear<W, Y>& p, int64_t o, __m256i tail_mask) {
   }
 }
 
-// One row of x against bf16 weights (each block of a one-token decode step): w's rows
-// [first, last) read one after another, four accumulators a row (32 weights a step), each
-// line prefetched kRowPrefetchBytes ahead. The strips of 3 rows below (one accumulator a row,
-// three rows of w read side by side) read bf16 weights for one row at ~8.6 GB/s where a plain
-// read ran at 12–16 (which of the two holds them back was not pinned down). One row, 2
-// Mixtral experts' projections (44 MB of bf16 weights, 8
-// experts in turn, 40 interleaved rounds, 2-core EPYC) 5.12 → 3.71 ms (8.6 → 11.9 GB/s), 8 of
-// the fine-grained shape's 3.58 → 2.24 ms; without the prefetch 3.96 / 2.49. float32 weights
-// keep the strips: there the rows-one-after-another read was 1.08-1.20× slower (Mixtral 6.59
-// → 7.13-7.92 ms) or level (fine-grained).
+// A few rows of x against bf16 weights (a decode step's blocks): w's rows [first, last) read
+// one after another, each line prefetched kRowPrefetchBytes ahead, every row of x against each
+// row of w, SETS accumulators a row of x (8·SETS weights a step; the last whole vectors into
+// the first, the masked tail into the second). Used for one row, and for blocks of up to
+// kRowsMax rows whose rows of x fit in kRowsBytes (L1, beside the stream of w: x is read
+// again for every row of w). The strips of 3 rows (linear_strip: three rows of w side by
+// side) read bf16 weights at 6–9 GB/s for 1–7 rows of x, where a plain read ran at 12–16
+// (which part of them holds the read back was not pinned down). 2-core EPYC, the benchmark's
+// expert weights (8 Mixtral or 64 fine-grained experts' in turn): one row, 2 Mixtral experts'
+// projections (44 MB of bf16, 40 interleaved rounds) 5.12 → 3.71 ms, 8 of the fine-grained
+// shape's 3.58 → 2.24 (without the prefetch 3.96 / 2.49). 2–7 rows (every expert's block in
+// one linear_blocks call, 11 interleaved rounds, GB/s strips → rows): 7168×1024 6.6–8.8 →
+// 9.0–11.7, 1024×1024 5.6–8.5 → 8.1–13.0, 1024×512 4.2–6.8 → 7.5–12.6; 1024×3584 level at 2
+// rows (11.1–12.4 / 11.6–12.8), behind from 7 with x past L1 (9.1 / 7.8), as at 8 rows on
+// every weight (7.9–8.5 / 7.0–8.3: there the strips' two full row tiles prefetch). float32
+// weights keep the strips: the rows-one-after-another read was 1.08–1.20× slower on Mixtral's
+// for one row, and 0.8–1.0× at 2–4 rows.
 constexpr int64_t kRowPrefetchBytes = 1024;
+constexpr int64_t kRowsMax = 7;
+constexpr int64_t kRowsBytes = 28 << 10;
 
-template <typename Y>
-void linear_row(const Linear<uint16_t, Y>& p, int64_t first, int64_t last, __m256i tail_mask) {
-  const int64_t I = p.in_features, fours = I & ~int64_t{31}, whole = I & ~int64_t{7};
+template <int ROWS, typename Y>
+void linear_rows(const Linear<uint16_t, Y>& p, int64_t first, int64_t last, __m256i tail_mask) {
+  constexpr int SETS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
+  constexpr int TAIL = SETS > 1 ? 1 : 0;
+  const int64_t I = p.in_features, body = I / (8 * SETS) * (8 * SETS), whole = I & ~int64_t{7};
   const float* x = p.x;
+  const int64_t ldx = p.ldx;
   for (int64_t o = first; o < last; ++o) {
     const uint16_t* w = p.w + o * p.ldw;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 acc[ROWS][SETS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int s = 0; s < SETS; ++s) acc[r][s] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k < fours; k += 32) {
+    for (; k < body; k += 8 * SETS) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k) + kRowPrefetchBytes, _MM_HINT_T0);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
+#pragma GCC unroll 4
+      for (int s = 0; s < SETS; ++s) {
+        const __m256 w_k = load8(w + k + 8 * s);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r) acc[r][s] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k + 8 * s), w_k, acc[r][s]);
+      }
     }
-    for (; k < whole; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
-    if (whole < I)
-      a1 = _mm256_fmadd_ps(_mm256_maskload_ps(x + whole, tail_mask), load_tail(w + whole, I - whole, tail_mask), a1);
-    const float sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    store(p.y + o, sum + (p.b ? p.b[o] : 0.0f));
+    for (; k < whole; k += 8) {
+      const __m256 w_k = load8(w + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), w_k, acc[r][0]);
+    }
+    if (whole < I) {
+      const __m256 w_k = load_tail(w + whole, I - whole, tail_mask);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][TAIL] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * ldx + whole, tail_mask), w_k, acc[r][TAIL]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 sum = acc[r][0];
+      if constexpr (SETS == 4) sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+      if constexpr (SETS == 2) sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+      store(p.y + r * p.ldy + o, horizontal_sum(sum) + (p.b ? p.b[o] : 0.0f));
+    }
   }
 }
 
-// Rows [first, last) of w, in strips of 3 rows.
+// Rows [first, last) of w: bf16 weights against a few rows of x row after row (above), else in
+// strips of 3 rows.
 template <typename W, typename Y>
 void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   const __m256i tail_mask = first_lanes(p.in_features % 8);
   if constexpr (std::is_same_v<W, uint16_t>) {
-    if (p.rows == 1) return linear_row(p, first, last, tail_mask);
+    if (p.rows == 1 || (p.rows <= kRowsMax && p.rows * p.in_features * int64_t{sizeof(float)} <= kRowsBytes)) {
+      switch (p.rows) {
+        case 1: return linear_rows<1>(p, first, last, tail_mask);
+        case 2: return linear_rows<2>(p, first, last, tail_mask);
+        case 3: return linear_rows<3>(p, first, last, tail_mask);
+        case 4: return linear_rows<4>(p, first, last, tail_mask);
+        case 5: return linear_rows<5>(p, first, last, tail_mask);
+        case 6: return linear_rows<6>(p, first, last, tail_mask);
+        case 7: return linear_rows<7>(p, first, last, tail_mask);
+        default: break;
+      }
+    }
   }
   int64_t o = first;
   for (; o + 3 <= last; o += 3) linear_strip<3>(p, o, tail_mask);

@@ -771,8 +771,8 @@ def _decode_projection(
     There the GEMMs are reads of the experts' weights, and our per-block Python (~20 µs a
     block) was a tenth of a bf16 decode step of 64 experts. moe_ffn's kernel runs all blocks
     in one call per projection (`_small_gemm.linear_blocks`, bf16 weights read as they are;
-    one-row blocks, every step of a one-token decode, read row after row: _small_gemm.cpp's
-    linear_row). Where it is not built, blocks of one row each run as matrix-vector products:
+    blocks of 1–7 rows, every step of a one-token decode and most of a few-token one, read
+    row after row: _small_gemm.cpp's linear_rows). Where it is not built, blocks of one row each run as matrix-vector products:
     torch.mv reads a bf16 weight ~10 % faster than the GEMM behind torch._grouped_mm (8
     experts of the fine-grained shape, cold caches, interleaved: 2.56–2.69 ms against
     2.82–3.01; a plain read of the same bytes 2.14–2.48 ms); larger blocks go to torch's
@@ -815,7 +815,7 @@ def _decode_projection(
     ):
         return None
     if _small_gemm.available() and _small_gemm.blocks_fit(blocks):
-        # One-row blocks too since the kernel reads them row after row (linear_row): bf16
+        # One-row blocks too since the kernel reads them row after row (linear_rows): bf16
         # forward T = 1, interleaved A/B in one process against torch.mv (41 rounds, 2-core
         # EPYC): Mixtral 4.90 → 3.94 ms (transformers' grouped_mm 5.00), fine-grained 3.96 →
         # 3.24 (4.49); forward+backward Mixtral 19.4 → 17.9 (21 rounds).

@@ -208,10 +208,13 @@ def test_linear_matches_float64(rows, shape, bias):
     assert out_wide[:, :2].isnan().all() and out_wide[:, O + 2 :].isnan().all()  # nothing written outside
 
 
-# (one row: w read row after row, 32 weights a step, then 8, then the masked tail: I = 300
-# and 45 take all three)
-@pytest.mark.parametrize("rows", [1, 3, 4, 13, 64])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (50, 17), (97, 3), (256, 512), (40, 300), (7, 45), (3, 64)])
+# (1–7 rows: w read row after row, 32 weights a step for 1–2 rows of x, 16 for 3–4, 8 for 5–7,
+# then 8, then the masked tail: I = 300 and 45 take all three; x of 7 rows by I = 1024 is the
+# most read that way (28 KiB), 7 by 1025 and 8 rows go to the strips of 3 rows of w)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 64])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (5, 9), (50, 17), (97, 3), (256, 512), (40, 300), (7, 45), (3, 64), (4, 1024), (4, 1025)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_on_bf16_weights_is_the_float32_product_rounded_once(rows, shape, bias):
     """bf16 x, w, b: the weights are read as bf16 and widened exactly, the products summed in
@@ -267,11 +270,11 @@ def test_bf16_results_round_to_nearest_even_as_torch_does():
     assert out[0, :3].tolist() == [1.0, 1.0 + 4 * t, 1.0 + 2 * t]  # the ties, by hand
 
 
-@pytest.mark.parametrize("rows", [2, 5, 64])
+@pytest.mark.parametrize("rows", [8, 13, 64])
 def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(rows):
     """Bitwise: the bf16 entry forms the same float32 sums as the float32 one on x, w, b widened
-    (exactly), and its rounding is torch's. (One row of x against bf16 weights sums in another
-    order, four accumulators a row: see test_linear_on_bf16_weights_is_the_float32_product_rounded_once.)"""
+    (exactly), and its rounding is torch's. (1–7 rows of x against bf16 weights sum in another
+    order, w read row after row: see test_linear_on_bf16_weights_is_the_float32_product_rounded_once.)"""
     _needs_kernel()
     x, w, b = torch.randn(rows, 300).bfloat16(), torch.randn(77, 300).bfloat16(), torch.randn(77).bfloat16()
     out, out32 = torch.empty(rows, 77, dtype=torch.bfloat16), torch.empty(rows, 77)
