@@ -713,6 +713,35 @@ void product_tile(const float* a_pack, const float* b_pack, int64_t depth, C* c,
   }
 }
 
+// bf16 c stored past the caches (weight gradients of at least kStreamFloats elements, see
+// thin_product): ROWS (≤ 3) rows of c by 32 columns (the panels at b0_pack and b1_pack, side by
+// side), so that a row's 32 rounded sums fill one 64-byte line, written by two 32-byte
+// streaming stores back to back (c's lines 64-byte aligned: the caller checked). a_pack: the
+// tile's packed A at the group's first row (kTileRows floats a step).
+template <int ROWS>
+void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, int64_t depth, uint16_t* c,
+               int64_t ldc) {
+  static_assert(1 <= ROWS && ROWS <= 3, "tile");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
+  for (int64_t s = 0; s < depth; ++s, a_pack += kTileRows, b0_pack += kPanel, b1_pack += kPanel) {
+    __m256 b0 = _mm256_loadu_ps(b0_pack), b1 = _mm256_loadu_ps(b0_pack + 8);
+    tile_row(a_pack, b0, b1, c00, c01);
+    if constexpr (ROWS > 1) tile_row(a_pack + 1, b0, b1, c10, c11);
+    if constexpr (ROWS > 2) tile_row(a_pack + 2, b0, b1, c20, c21);
+    b0 = _mm256_loadu_ps(b1_pack), b1 = _mm256_loadu_ps(b1_pack + 8);
+    tile_row(a_pack, b0, b1, c02, c03);
+    if constexpr (ROWS > 1) tile_row(a_pack + 1, b0, b1, c12, c13);
+    if constexpr (ROWS > 2) tile_row(a_pack + 2, b0, b1, c22, c23);
+  }
+  const __m256 acc[3][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}};
+  for (int i = 0; i < ROWS; ++i) {
+    __m256i* line = reinterpret_cast<__m256i*>(c + i * ldc);
+    _mm256_stream_si256(line, round16_to_bf16(acc[i][0], acc[i][1]));
+    _mm256_stream_si256(line + 1, round16_to_bf16(acc[i][2], acc[i][3]));
+  }
+}
+
 // The eight rows r[0..7] as eight columns.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
@@ -889,18 +918,37 @@ void thin_rows(const Product& p, C* c, int64_t r0, int64_t r1, bool add, const f
     const int64_t count = std::min(kTileRows, r1 - row);
     pack_a(p, row, count, 0, p.k, a_pack);
     C* c_row = c + row * p.ldc;
-    for (int64_t q = 0; q < panels; ++q) {
+    int64_t q = 0;
+    if constexpr (STREAM && std::is_same_v<C, uint16_t>) {  // whole lines (line_tile), then the rest stored
+      const int64_t rest = count - std::min<int64_t>(count, 3);
+      for (; q + 2 <= full; q += 2) {
+        const float *b0 = b_pack + q * p.k * kPanel, *b1 = b0 + p.k * kPanel;
+        switch (std::min<int64_t>(count, 3)) {
+          case 3: line_tile<3>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
+          case 2: line_tile<2>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
+          default: line_tile<1>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
+        }
+        switch (rest) {
+          case 3: line_tile<3>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
+          case 2: line_tile<2>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
+          case 1: line_tile<1>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
+          default: break;
+        }
+      }
+    }
+    constexpr bool kStreamTiles = STREAM && std::is_same_v<C, float>;
+    for (; q < panels; ++q) {
       const float* b_q = b_pack + q * p.k * kPanel;
       const bool partial = q == full;
       const float* bias = p.bias && !add ? p.bias + q * kPanel : nullptr;
       C* at = c_row + q * kPanel;
       switch (count) {
-        case 6: product_tile<6, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
-        case 5: product_tile<5, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
-        case 4: product_tile<4, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
-        case 3: product_tile<3, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
-        case 2: product_tile<2, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
-        default: product_tile<1, STREAM>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 6: product_tile<6, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 5: product_tile<5, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 4: product_tile<4, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 3: product_tile<3, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        case 2: product_tile<2, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
+        default: product_tile<1, kStreamTiles>(a_pack, b_q, p.k, at, p.ldc, add, bias, partial, tail, mask0, mask1); break;
       }
     }
   }
@@ -920,18 +968,30 @@ int thin_product(const Product& p, bool accumulate, int threads, const Team& tea
     share(panels, 1, t, parts, &q0, &q1);
     if (q0 < q1) pack_b(p, q0, q1, 0, p.k, scratch + q0 * p.k * kPanel);
   });
-  // float32 only: a tile row's 16 sums are a whole 64-byte line; a bf16 row's 32 bytes are
-  // half of one, and streamed so, its other half from the next panel, they ran 1.1–2.1× slower
-  // than plain stores (7168×1024 from 1 / 64 rows: 1.96 / 8.71 ms plain, 3.49 / 14.48
-  // streamed; the layer's bf16 forward+backward 6–21 % slower)
+  // A float32 tile row's 16 sums are a whole 64-byte line. A bf16 tile row's 32 bytes are half
+  // of one: streamed so, its other half from the next panel, they ran 1.1–2.1× slower than
+  // plain stores (7168×1024 from 1 / 64 rows: 1.96 / 8.71 ms plain, 3.49 / 14.48 streamed; the
+  // layer's bf16 forward+backward 6–21 % slower). So bf16 c is streamed a whole line at a time,
+  // 32 columns (two panels) by 3 rows (line_tile), where its lines are 64-byte aligned; the
+  // same sums. bf16 weight gradients, plain → whole lines streamed (8 Mixtral or 64
+  // fine-grained experts' gradients in turn, written before, 11 interleaved rounds, GB/s of
+  // bf16 written, 2-core AVX2 EPYC): 7168×1024 from 1 / 2 / 4 / 8 / 16 / 64 rows 5.9 → 14.3,
+  // 6.2 → 12.7, 3.6 → 5.8, 3.3 → 4.4, 2.6 → 3.1, 1.0 → 1.1; 1024×3584 6.0 → 9.2, 5.5 → 7.9, 4.9
+  // → 6.7, 4.0 → 4.8, 2.9 → 3.2, 1.0 → 1.2; 1024×1024 and 1024×512 1.31–1.84× at 1–8 rows,
+  // 1.01–1.21× at 16–64. The layer's bf16 forward+backward, interleaved A/B: Mixtral T=1 18.50
+  // → 15.43 ms (41 rounds), T=16 68.07 → 57.80 (15), T=256 level; fine-grained T=1 16.10 →
+  // 14.66, T=16 76.21 → 59.28, T=256 317.70 → 310.36.
   const bool stream = !accumulate && !p.c16 && p.m * p.n >= kStreamFloats &&
                       reinterpret_cast<uintptr_t>(p.c) % 32 == 0 && p.ldc % 8 == 0;
+  const bool stream16 = p.c16 && p.m * p.n >= kStreamFloats && reinterpret_cast<uintptr_t>(p.c16) % 64 == 0 &&
+                        p.ldc % 32 == 0;
   on_team(team, count, [&](int64_t t, int64_t parts) {
     int64_t r0, r1;
     share(p.m, kTileRows, t, parts, &r0, &r1);
     float* a_pack = scratch + b_floats + t * a_floats;
     if (r0 >= r1) return;
-    if (p.c16) thin_rows<false>(p, p.c16, r0, r1, false, scratch, a_pack);
+    if (stream16) thin_rows<true>(p, p.c16, r0, r1, false, scratch, a_pack);
+    else if (p.c16) thin_rows<false>(p, p.c16, r0, r1, false, scratch, a_pack);
     else if (stream) thin_rows<true>(p, p.c, r0, r1, false, scratch, a_pack);
     else thin_rows<false>(p, p.c, r0, r1, accumulate, scratch, a_pack);
   });

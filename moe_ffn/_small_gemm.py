@@ -70,7 +70,8 @@ where torch's path first copied the whole weight to float32. bf16 forward+backwa
 interleaved A/B in one process (11 rounds), copy first / read as it is: Mixtral T=1 35.0 →
 21.0 ms, T=16 146.6 → 99.5; fine-grained T=1 11.8 → 10.6, T=16 95.9 → 90.0. And bf16
 weight gradients (from float32 products) stored by the packed product, each sum rounded once
-as it is stored (numbers in grouped.py, above _matmul_into). Past 64 rows
+as it is stored (numbers in grouped.py, above _matmul_into), large ones past the caches a
+whole 64-byte line at a time (_small_gemm.cpp, thin_product: 1.3–2.4× at 1–8 rows). Past 64 rows
 (to `PACKED_MAX_ROWS`), bf16 forward products without bias and input gradients run on the
 packed product with the bf16 weight widened while it is packed, where torch's path copied the
 whole weight to float32 first (the forward's float32 result is rounded into out once).

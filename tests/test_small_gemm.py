@@ -376,6 +376,37 @@ def test_weight_grad_into_bf16_is_the_float32_result_rounded_once(rows, shape):
     assert (wide[:, :3] == 7).all() and (wide[:, N + 3 :] == 7).all()
 
 
+# bf16 outputs of 2^19 elements and more whose rows start on 64-byte lines are streamed a line
+# at a time: 32 columns (two panels) by 3 rows, then the rest of a 6-row tile (525 / 526 / 527
+# / 530 rows end on tiles of 3 / 4 / 5 / 2 rows); 1000 columns leave a partial panel, 1008 an
+# odd last panel, both stored the ordinary way
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, _small_gemm.BF16_MAX_ROWS])
+@pytest.mark.parametrize("shape", [(525, 1024), (526, 1000), (527, 1008), (530, 1024)])
+def test_weight_grad_into_bf16_streamed_in_whole_lines_is_the_float32_result_rounded_once(rows, shape):
+    """Bit for bit the float32 kernel's sums rounded by torch (NaN kept NaN), and the same bits
+    as a slice that is not line-aligned (stored the ordinary way); the columns past the slice
+    in its wider tensor untouched."""
+    _needs_kernel()
+    M, N = shape
+    assert M * N >= 1 << 19
+    a, b = _strided(rows, M), _strided(rows, N)
+    a[0, 1] = float("nan")  # row 1 of out all NaN where b's row 0 is not zero
+    wide = torch.full((M, 1024), 7.0).bfloat16()
+    out = wide[:, :N]
+    assert out.data_ptr() % 64 == 0 and out.stride(0) * 2 % 64 == 0
+    assert _small_gemm.weight_grad_into(out, a.t(), b)
+    out32 = torch.empty(M, N)
+    assert _small_gemm.weight_grad_into(out32, a.t(), b)
+    assert torch.equal(out.isnan(), out32.isnan()) and out[1].isnan().all()
+    finite = ~out32.isnan()
+    assert torch.equal(out[finite].view(torch.int16), out32[finite].bfloat16().view(torch.int16))
+    assert (wide[:, N:] == 7).all()
+    shifted = torch.full((M * 1024 + 8,), 7.0).bfloat16()[8:].view(M, 1024)[:, :N]  # 16 bytes off a line
+    assert shifted.data_ptr() % 64 != 0
+    assert _small_gemm.weight_grad_into(shifted, a.t(), b)
+    assert torch.equal(shifted.view(torch.int16), out.view(torch.int16))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(512, 1024), (600, 904)])
 def test_weight_grad_streamed_past_the_caches_matches_float64(rows, shape):
