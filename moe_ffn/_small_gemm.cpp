@@ -1364,40 +1364,91 @@ extern "C" int moe_ffn_linear_blocks_bf16(const float* x, int64_t ldx, const uin
   });
 }
 
+namespace {
+
+// y[start:stop] = g[start:stop]·w[e] for w [E, O, I] of float32 or bfloat16 (W): each block as
+// input_grad (through bf16 weights: moe_ffn_input_grad_bf16w) or past kUnpackedRows the packed
+// product (bf16 w widened while packed: moe_ffn_product_bf16b) runs it alone.
+template <typename W>
+int input_grad_blocks(const float* g, int64_t ldg, const W* w, int64_t experts, int64_t w_expert, int64_t ldw, float* y,
+                      int64_t ldy, const int64_t* blocks, int64_t count, int64_t out_features, int64_t in_features,
+                      int threads, const Team& team) {
+  if (out_features < 0 || in_features < 0 || threads < 1) return -1;
+  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    const float* g_b = g + start * ldg;
+    const W* w_e = w + e * w_expert;
+    float* y_b = y + start * ldy;
+    if (rows <= kUnpackedRows)
+      return input_grad(g_b, ldg, w_e, ldw, y_b, ldy, rows, out_features, in_features, threads, team);
+    // A = g [rows, O], B = w [O, I]
+    Product p{g_b, 1, ldg, nullptr, ldw, 1, nullptr, nullptr, y_b, nullptr, ldy, out_features, rows, in_features};
+    if constexpr (kBf16) p.b16 = w_e;
+    else p.b = w_e;
+    return product(p, false, threads, team);
+  });
+}
+
+// c[e] = a[start:stop]ᵀ·b[start:stop] for c [E, M, N] of float32 (c[e] += … where the block's
+// accumulate is set) or bfloat16 bits (C: each sum rounded once as stored, never added to),
+// each block as weight_grad_into runs it alone.
+template <typename C>
+int weight_grad_blocks(const float* a, int64_t lda, const float* b, int64_t ldb, C* c, int64_t experts,
+                       int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                       int threads, const Team& team) {
+  if (m < 0 || n < 0 || threads < 1) return -1;
+  constexpr bool kBf16 = std::is_same_v<C, uint16_t>;
+  if constexpr (kBf16)
+    for (int64_t i = 0; i < count; ++i)
+      if (blocks[4 * i + 3] != 0) return -1;  // (before any block runs)
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool accumulate) {
+    Product p{a + start * lda, lda, 1, b + start * ldb, ldb, 1, nullptr, nullptr, nullptr, nullptr, ldc, rows, m, n};
+    if constexpr (kBf16) p.c16 = c + e * c_expert;
+    else p.c = c + e * c_expert;
+    return product(p, accumulate, threads, team);
+  });
+}
+
+}  // namespace
+
 // y[start:stop] = g[start:stop]·w[e] for w [E, O, I]: the input gradient through each block's
-// expert (one-row blocks too, on the row split).
+// expert (one-row blocks too, on the row split); float32 w, or bfloat16 w read as it is.
 extern "C" int moe_ffn_input_grad_blocks_f32(const float* g, int64_t ldg, const float* w, int64_t experts,
                                              int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
                                              const int64_t* blocks, int64_t count, int64_t out_features,
                                              int64_t in_features, int threads, void* parallel, void* thread_num,
                                              void* num_threads) {
-  if (out_features < 0 || in_features < 0 || threads < 1) return -1;
   const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
-  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
-    const float *g_b = g + start * ldg, *w_e = w + e * w_expert;
-    float* y_b = y + start * ldy;
-    if (rows <= kUnpackedRows)
-      return input_grad(g_b, ldg, w_e, ldw, y_b, ldy, rows, out_features, in_features, threads, team);
-    // A = g [rows, O], B = w [O, I]
-    return product(Product{g_b, 1, ldg, w_e, ldw, 1, nullptr, nullptr, y_b, nullptr, ldy, out_features, rows, in_features},
-                   false, threads, team);
-  });
+  return input_grad_blocks(g, ldg, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                           threads, team);
+}
+extern "C" int moe_ffn_input_grad_blocks_bf16w(const float* g, int64_t ldg, const uint16_t* w, int64_t experts,
+                                               int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
+                                               const int64_t* blocks, int64_t count, int64_t out_features,
+                                               int64_t in_features, int threads, void* parallel, void* thread_num,
+                                               void* num_threads) {
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return input_grad_blocks(g, ldg, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                           threads, team);
 }
 
 // c[e] = a[start:stop]ᵀ·b[start:stop] (c[e] += … where the block's accumulate is set) for c
 // [E, M, N] (experts c_expert apart, rows ldc apart), a [rows, M], b [rows, N]: the weight
-// gradient of each block's expert.
+// gradient of each block's expert; into float32 c, or bfloat16 c (no block accumulating: -1,
+// nothing run).
 extern "C" int moe_ffn_weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
                                               int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks,
                                               int64_t count, int64_t m, int64_t n, int threads, void* parallel,
                                               void* thread_num, void* num_threads) {
-  if (m < 0 || n < 0 || threads < 1) return -1;
   const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
-  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool accumulate) {
-    const Product p{a + start * lda, lda, 1, b + start * ldb, ldb, 1, nullptr, nullptr, c + e * c_expert, nullptr,
-                    ldc, rows, m, n};
-    return product(p, accumulate, threads, team);
-  });
+  return weight_grad_blocks(a, lda, b, ldb, c, experts, c_expert, ldc, blocks, count, m, n, threads, team);
+}
+extern "C" int moe_ffn_weight_grad_blocks_bf16c(const float* a, int64_t lda, const float* b, int64_t ldb, uint16_t* c,
+                                                int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks,
+                                                int64_t count, int64_t m, int64_t n, int threads, void* parallel,
+                                                void* thread_num, void* num_threads) {
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  return weight_grad_blocks(a, lda, b, ldb, c, experts, c_expert, ldc, blocks, count, m, n, threads, team);
 }
 
 // The same product with every tensor bfloat16 (their bits): x and b are widened to float32

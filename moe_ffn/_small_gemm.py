@@ -219,6 +219,7 @@ def library() -> Optional[ctypes.CDLL]:
         linears = lib.moe_ffn_linear_f32, lib.moe_ffn_linear_bf16
         linear_blocks, linear_blocks_bf16 = lib.moe_ffn_linear_blocks_f32, lib.moe_ffn_linear_blocks_bf16
         input_grad_blocks, weight_grad_blocks = lib.moe_ffn_input_grad_blocks_f32, lib.moe_ffn_weight_grad_blocks_f32
+        input_grad_blocks_bf16, weight_grad_blocks_bf16 = lib.moe_ffn_input_grad_blocks_bf16w, lib.moe_ffn_weight_grad_blocks_bf16c
         input_grads = lib.moe_ffn_input_grad_f32, lib.moe_ffn_input_grad_bf16w
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         product_bf16b = lib.moe_ffn_product_bf16b
@@ -229,11 +230,12 @@ def library() -> Optional[ctypes.CDLL]:
     for linear in linears:
         linear.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64] + team
         linear.restype = ctypes.c_int
-    for blocks_fn in (linear_blocks, linear_blocks_bf16, input_grad_blocks):
+    for blocks_fn in (linear_blocks, linear_blocks_bf16, input_grad_blocks, input_grad_blocks_bf16):
         blocks_fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
         blocks_fn.restype = ctypes.c_int
-    weight_grad_blocks.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + team
-    weight_grad_blocks.restype = ctypes.c_int
+    for blocks_fn in (weight_grad_blocks, weight_grad_blocks_bf16):
+        blocks_fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + team
+        blocks_fn.restype = ctypes.c_int
     for input_grad in input_grads:
         input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
         input_grad.restype = ctypes.c_int
@@ -379,8 +381,13 @@ def _rows_fit(blocks: list[tuple[int, int, int]], most: int) -> bool:
 # block and a product in the wrappers and the slicing, three to four products an expert: fine-
 # grained fp32 forward+backward at T = 16 / 256 spent ~25 / ~35 ms a step outside the kernels.
 # They take float32 tensors on CPUs where torch's kernels are AVX2 (the ranges above; on
-# AVX-512 CPUs only linear_blocks runs, for decode, on the AVX-512 kernel) and decline (None /
-# False, nothing written) otherwise; a failure once the arguments were checked (memory for the
+# AVX-512 CPUs only linear_blocks runs, for decode, on the AVX-512 kernel), and for a bf16
+# layer's backward bf16 weights (input gradients) and bf16 gradients (weight gradients, none
+# added to): bf16 forward+backward, interleaved A/B against the per-block loop on the same
+# kernels (2-core AVX2 EPYC), fine-grained T = 16 / 64 / 256 67.5 → 52.6 (41 rounds), 149.2 →
+# 127.8, 306.3 → 287.7 ms (15), Mixtral T = 16 60.4 → 58.0 and 65.4 → 61.5 in two runs, T = 1
+# 0.87–1.11× in three runs (noise), T = 64 / 256 level. They decline (None / False, nothing
+# written) otherwise; a failure once the arguments were checked (memory for the
 # kernel's packed operands) raises, since blocks already computed may have been added to.
 
 
@@ -446,19 +453,26 @@ def _through_experts(name: str, fn, openmp, src: Tensor, w_EOI: Tensor, y: Tenso
 def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop) (an input
     gradient through each block's expert, w_EOI [E, O, I]), in one call; returns whether it
-    ran (when False, `out` is untouched). float32, AVX2 CPUs (see above), every block of 1 to
-    this CPU's input-gradient rows: each as `input_grad` runs it (one-row blocks, which
-    `input_grad` leaves to torch, on the kernel's row split)."""
+    ran (when False, `out` is untouched). float32 g and out, float32 or bf16 weights (read as
+    they are), AVX2 CPUs (see above), every block of 1 to the rows `input_grad` takes through
+    such a weight: each as `input_grad` runs it (one-row blocks, which `input_grad` leaves to
+    torch for float32 weights, on the kernel's row split)."""
+    bf16_w = w_EOI.dtype == torch.bfloat16
+    if bf16_w:
+        most = min(PACKED_MAX_ROWS, ranges().input_grad, ranges().bf16)
+    else:
+        most = min(packed_max_rows(w_EOI.shape[1], w_EOI.shape[2], True), ranges().input_grad)
     if _torch_on_avx512() or not (
-        g.dtype == w_EOI.dtype == out.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
-        and _rows_fit(blocks, min(packed_max_rows(w_EOI.shape[1], w_EOI.shape[2], True), ranges().input_grad))
+        g.dtype == out.dtype == torch.float32 and w_EOI.dtype in (torch.float32, torch.bfloat16)
+        and w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and _rows_fit(blocks, most)
     ):
         return False
     kernel = _kernel_for((g,), out)
     if kernel is None:
         return False
     lib, openmp = kernel
-    _through_experts("input_grad_blocks", lib.moe_ffn_input_grad_blocks_f32, openmp, g, w_EOI, out, blocks, transposed=False)
+    fn = lib.moe_ffn_input_grad_blocks_bf16w if bf16_w else lib.moe_ffn_input_grad_blocks_f32
+    _through_experts("input_grad_blocks", fn, openmp, g, w_EOI, out, blocks, transposed=False)
     return True
 
 
@@ -467,12 +481,16 @@ def weight_grad_blocks(
 ) -> bool:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), added to
     out_EMN[e] where the block's `accumulate` is set (each expert's weight gradient), in one
-    call; returns whether it ran (when False, `out_EMN` is untouched). float32, AVX2 CPUs (see
-    above), every block of 1 to this CPU's weight-gradient rows: each as `weight_grad_into`
-    runs it, old contents read only where accumulating."""
+    call; returns whether it ran (when False, `out_EMN` is untouched). float32 a and b, float32
+    out, or bf16 out with no block accumulating (each sum rounded once as it is stored), AVX2
+    CPUs (see above), every block of 1 to this CPU's weight-gradient rows (bf16: and its bf16
+    rows): each as `weight_grad_into` runs it, old contents read only where accumulating."""
+    bf16_out = out_EMN.dtype == torch.bfloat16
+    most = min(WEIGHT_GRAD_MAX_ROWS, ranges().weight_grad, ranges().bf16 if bf16_out else WEIGHT_GRAD_MAX_ROWS)
     if _torch_on_avx512() or not (
-        a.dtype == b.dtype == out_EMN.dtype == torch.float32 and out_EMN.dim() == 3 and out_EMN.stride(2) == 1
-        and _rows_fit(blocks, min(WEIGHT_GRAD_MAX_ROWS, ranges().weight_grad))
+        a.dtype == b.dtype == torch.float32 and out_EMN.dtype in (torch.float32, torch.bfloat16)
+        and not (bf16_out and any(accumulate))
+        and out_EMN.dim() == 3 and out_EMN.stride(2) == 1 and _rows_fit(blocks, most)
     ):
         return False
     kernel = _kernel_for((a, b), None)
@@ -485,9 +503,9 @@ def weight_grad_blocks(
                          f"and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit")
     _check_blocks("weight_grad_blocks", blocks, a.shape[0], E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
     _blocks_call(
-        lib.moe_ffn_weight_grad_blocks_f32, blocks, accumulate, a.data_ptr(), a.stride(0), b.data_ptr(),
-        b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1), M, N,
-        torch.get_num_threads(), *openmp,
+        lib.moe_ffn_weight_grad_blocks_bf16c if bf16_out else lib.moe_ffn_weight_grad_blocks_f32, blocks, accumulate,
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0),
+        out_EMN.stride(1), M, N, torch.get_num_threads(), *openmp,
     )
     return True
 

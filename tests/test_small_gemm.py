@@ -901,6 +901,49 @@ def test_input_grad_blocks_is_input_grad_block_by_block(monkeypatch, rows):
     assert out[~covered].isnan().all()
 
 
+@pytest.mark.parametrize("rows", [3, 80])
+def test_input_grad_blocks_through_bf16_weights_is_input_grad_block_by_block(monkeypatch, rows):
+    """bf16 weights read as they are: each block's rows bit for bit what input_grad computes
+    through the same bf16 weight for the block alone (one-row blocks included), rows outside
+    the blocks untouched."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(rows)
+    E, O, I, N = 4, 37, 29, 3 * rows + 10
+    w = torch.randn(E, O + 3, I)[:, 1 : O + 1].bfloat16()
+    g = _strided(N, O)
+    blocks = _some_blocks(N, 5, E, rows)
+    out = torch.full((N, I + 2), float("nan"))[:, 1 : I + 1]
+    assert _small_gemm.input_grad_blocks(out, g, w, blocks)
+    covered = torch.zeros(N, dtype=torch.bool)
+    for e, start, stop in blocks:
+        covered[start:stop] = True
+        assert torch.equal(out[start:stop], _small_gemm.input_grad(g[start:stop], w[e].t()))
+    assert out[~covered].isnan().all()
+
+
+# (512 × 1024: gradients large enough to be streamed a line at a time)
+@pytest.mark.parametrize("rows", [4, 200])
+@pytest.mark.parametrize("shape", [(200, 33), (512, 1024)])
+def test_weight_grad_blocks_into_bf16_is_weight_grad_into_block_by_block(monkeypatch, rows, shape):
+    """bf16 gradients, one block an expert (nothing added to): each bit for bit what
+    weight_grad_into writes for its block alone; experts without blocks untouched."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(rows)
+    E, (M, Nc), N = 6, shape, 3 * rows + 10
+    a, b = _strided(N, M), _strided(N, Nc)
+    blocks = [(e, start, stop) for i, (e, start, stop) in enumerate(_some_blocks(N, 6, E - 1, rows))]
+    blocks = [(i, start, stop) for i, (_, start, stop) in enumerate(blocks)][: E - 1]
+    out = torch.full((E, M, Nc), 7.0).bfloat16()
+    assert _small_gemm.weight_grad_blocks(out, a, b, blocks, [False] * len(blocks))
+    for e, start, stop in blocks:
+        want = torch.empty(M, Nc, dtype=torch.bfloat16)
+        assert _small_gemm.weight_grad_into(want, a[start:stop].t(), b[start:stop])
+        assert torch.equal(out[e].view(torch.int16), want.view(torch.int16))
+    assert (out[len(blocks) :] == 7).all()
+
+
 @pytest.mark.parametrize("rows", [4, 200])
 def test_weight_grad_blocks_is_weight_grad_into_block_by_block(monkeypatch, rows):
     """One call for every block, experts repeated: each expert's gradient bit for bit what
@@ -926,10 +969,11 @@ def test_weight_grad_blocks_is_weight_grad_into_block_by_block(monkeypatch, rows
 
 
 def test_blocks_entry_points_decline_what_they_do_not_take(monkeypatch):
-    """False (nothing written) for: no blocks, a block past the rows the kernel takes, an empty
-    block, bf16 or float64 tensors, a weight whose rows are not contiguous, and where torch's
-    kernels are AVX-512 (the per-block choices there); a ValueError for blocks or tensors that do
-    not fit."""
+    """False (nothing written) for: no blocks, a block past the rows the kernel takes (through
+    bf16 weights or into bf16 gradients: past its bf16 rows), an empty block, float64 tensors,
+    bf16 input rows, a bf16 gradient added to, a weight whose rows are not contiguous, and where
+    torch's kernels are AVX-512 (the per-block choices there); a ValueError for blocks or
+    tensors that do not fit."""
     _needs_kernel()
     _avx2_kernels(monkeypatch)
     E, O, I, N = 3, 24, 16, _small_gemm.PACKED_MAX_ROWS + 1
@@ -940,9 +984,15 @@ def test_blocks_entry_points_decline_what_they_do_not_take(monkeypatch):
         assert not _small_gemm.weight_grad_blocks(grad, a, b, blocks, [False] * len(blocks))
     one = [(0, 0, 4)]
     assert not _small_gemm.input_grad_blocks(out.double(), g.double(), w.double(), one)
-    assert not _small_gemm.input_grad_blocks(out, g, w.bfloat16(), one)
+    past_bf16 = [(0, 0, _small_gemm.ranges().bf16 + 1)]
+    assert not _small_gemm.input_grad_blocks(out, g, w.bfloat16(), past_bf16)
+    assert not _small_gemm.input_grad_blocks(out, g.bfloat16(), w.bfloat16(), one)
     assert not _small_gemm.input_grad_blocks(out, g, w.transpose(1, 2).contiguous().transpose(1, 2), one)
-    assert not _small_gemm.weight_grad_blocks(grad.bfloat16(), a, b, one, [False])
+    grad16 = torch.full((E, O, I), 7.0).bfloat16()
+    assert not _small_gemm.weight_grad_blocks(grad16, a, b, past_bf16, [False])
+    assert not _small_gemm.weight_grad_blocks(grad16, a, b, [(0, 0, 4), (0, 4, 8)], [False, True])
+    assert not _small_gemm.weight_grad_blocks(grad16, a.bfloat16(), b.bfloat16(), one, [False])
+    assert (grad16 == 7).all()
     assert not _small_gemm.weight_grad_blocks(grad, a.double(), b.double(), one, [False])
     monkeypatch.setattr(_small_gemm, "_torch_on_avx512", lambda: True)
     assert not _small_gemm.input_grad_blocks(out, g, w, one)
