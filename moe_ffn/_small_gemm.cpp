@@ -29,7 +29,8 @@
 // register tiles of 6 rows by 16 columns of c; B is packed into 16-column panels (transposed
 // 8 by 8 where its columns are w's rows) and A into 6-row tiles. Weight gradients and products
 // whose B packs into a few MiB: B packed once, the threads split the rows of c, each tile's
-// whole sum at once, each element of c stored once (large float32 ones past the caches);
+// whole sum at once, each element of c stored once (large ones past the caches, bfloat16 c
+// in tiles of 3 rows by 32 columns so that a row's sums fill a line: line_tile);
 // others: sums in passes of 256 steps, the threads split the columns of c. See Product and
 // thin_product.
 //
