@@ -510,12 +510,62 @@ inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_
   }
 }
 
+// y[r, c : c + 32] (+)= g[r, o] · w[o, c : c + 32] for ROWS (≤ 2) rows of g (y read unless
+// `first`): a whole line of a bf16 row of w (two of a float32 one) a step.
+template <int ROWS, typename W>
+inline void split_line(const InputGrad<W>& p, int64_t o, int64_t c, float* y, int64_t ldy, bool first) {
+  __m256 acc[ROWS][4];
+  __m256 g_o[ROWS];
+#pragma GCC unroll 2
+  for (int r = 0; r < ROWS; ++r) {
+    g_o[r] = _mm256_broadcast_ss(p.g + r * p.ldg + o);
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + c + 8 * v);
+  }
+  const W* w = p.w + o * p.ldw + c;
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) {
+    const __m256 w_v = load8(w + 8 * v);
+#pragma GCC unroll 2
+    for (int r = 0; r < ROWS; ++r) acc[r][v] = _mm256_fmadd_ps(g_o[r], w_v, acc[r][v]);
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + r * ldy + c + 8 * v, acc[r][v]);
+}
+
 // y[r, :] (+)= sum over o in [o0, o1) of g[r, o] · w[o, :] for ROWS rows of g: w's rows in
-// blocks of kSplitBlock, each block's rows read side by side, 8 columns at a time.
+// blocks of kSplitBlock, each block's rows read side by side, 8 columns at a time; or, through
+// bf16 weights for 1–2 rows of g whose rows of y fit in kLineRowsBytes, w's rows one after
+// another, a line at a time (split_line; y stays in L1). The same sums in the same order
+// either way. Reading w, GB/s blocks of 8 → lines (every expert's block in one
+// input_grad_blocks call, 8 Mixtral or 64 fine-grained experts' bf16 weights in turn, 15
+// interleaved rounds, two runs, 2-core AVX2 EPYC), 1 / 2 rows: 7168×1024 9.7–10.5 → 14.2–14.6,
+// 9.9–10.4 → 11.8–12.8; 1024×1024 8.8–10.6 → 12.8–14.7, 9.1–10.3 → 10.3–12.5; 1024×512 6.3–8.1 →
+// 10.3–13.6, 7.1–8.3 → 10.3–12.4; a one-token step's 8 fine-grained / 2 Mixtral one-row blocks
+// 1.27–1.47× (60 rounds). Rows of y past 8 KiB (Mixtral's 1024×3584 at 14 KiB a row: 0.83–0.91×
+// at one row) and float32 weights (0.84–1.30×) keep the blocks of 8. Layer bf16 forward+backward,
+// interleaved A/B (31 and 41 rounds): Mixtral T=1 1.03 / 1.04×, T=16 1.03 / 1.00×; fine-grained
+// T=16 1.03 / 1.08×, T=1 0.97 / 0.95× (against the products' 1.27–1.47× there: layer A/Bs at
+// T=1 moved by ±10 % on this machine for unchanged kernels, see profiling/README.md).
+constexpr int64_t kLineRowsBytes = 8 << 10;
 template <int ROWS, typename W>
 void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t ldy, bool fresh) {
   const int64_t n = p.in_features, whole = n / 8 * 8;
   const __m256i mask = first_lanes(n - whole);
+  if constexpr (ROWS <= 2 && std::is_same_v<W, uint16_t>) {
+    if (ROWS * n * int64_t{sizeof(float)} <= kLineRowsBytes) {
+      const int64_t lines = n / 32 * 32;
+      for (int64_t o = o0; o < o1; ++o) {
+        const bool first = fresh && o == o0;
+        for (int64_t c = 0; c < lines; c += 32) split_line<ROWS>(p, o, c, y, ldy, first);
+        for (int64_t c = lines; c < whole; c += 8) split_vector<ROWS, false>(p, o, 1, c, y, ldy, first, mask, 0);
+        if (whole < n) split_vector<ROWS, true>(p, o, 1, whole, y, ldy, first, mask, n - whole);
+      }
+      return;
+    }
+  }
   for (int64_t o = o0; o < o1; o += kSplitBlock) {
     const int64_t count = std::min(kSplitBlock, o1 - o);
     const bool first = fresh && o == o0;

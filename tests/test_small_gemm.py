@@ -304,8 +304,10 @@ def test_input_grad_matches_float64(rows, shape, into):
         assert wide[:, :1].isnan().all() and wide[:, I + 1 :].isnan().all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64, 65, 97, 200])  # 24: w packed first; 65: packed product
-@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (24, 8), (97, 3), (130, 200), (200, 1000)])
+# 1–2 rows: w read a line at a time where y's rows fit in 8 KiB (I = 1001: lines, a vector, a
+# masked tail; 2048 the widest one row takes, 2049 past it); 24: w packed first; 65: packed product
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64, 65, 97, 200])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 9), (24, 8), (97, 3), (130, 200), (200, 1000), (50, 1001), (7, 2048), (7, 2049)])
 def test_input_grad_reads_bf16_weights_as_the_float32_product_of_their_values(rows, shape):
     """bf16 w with float32 g and out: each bf16 widens exactly, so the result is the float32
     kernel's on w's float32 values, bit for bit, and within the float64 bound of them."""
