@@ -772,10 +772,11 @@ def _decode_projection(
     block) was a tenth of a bf16 decode step of 64 experts. moe_ffn's kernel runs all blocks
     in one call per projection (`_small_gemm.linear_blocks`, bf16 weights read as they are;
     blocks of 1–7 rows, every step of a one-token decode and most of a few-token one, read
-    row after row: _small_gemm.cpp's linear_rows). Where it is not built, blocks of one row each run as matrix-vector products:
-    torch.mv reads a bf16 weight ~10 % faster than the GEMM behind torch._grouped_mm (8
-    experts of the fine-grained shape, cold caches, interleaved: 2.56–2.69 ms against
-    2.82–3.01; a plain read of the same bytes 2.14–2.48 ms); larger blocks go to torch's
+    row after row: _small_gemm.cpp's linear_rows). Where it is not built, blocks of one row
+    each run as matrix-vector products: torch.mv reads a bf16 weight ~10 % faster than the
+    GEMM behind torch._grouped_mm (8 experts of the fine-grained shape, cold caches,
+    interleaved: 2.56–2.69 ms against 2.82–3.01; a plain read of the same bytes 2.14–2.48
+    ms); larger blocks go to torch's
     grouped GEMM, the same per-expert native GEMMs from one C++ loop (bf16 Mixtral decode 5.4
     → 5.1 ms, fine-grained T=16 46 → 43 ms, against the per-block loop; measured on the 2-core
     EPYC)."""
