@@ -793,6 +793,17 @@ void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, 
   }
 }
 
+// `rows` (0–3) rows of c by line_tile (0: nothing).
+inline void line_rows(int64_t rows, const float* a_pack, const float* b0_pack, const float* b1_pack, int64_t depth,
+                      uint16_t* c, int64_t ldc) {
+  switch (rows) {
+    case 3: line_tile<3>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    case 2: line_tile<2>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    case 1: line_tile<1>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    default: break;
+  }
+}
+
 // The eight rows r[0..7] as eight columns.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
@@ -971,20 +982,11 @@ void thin_rows(const Product& p, C* c, int64_t r0, int64_t r1, bool add, const f
     C* c_row = c + row * p.ldc;
     int64_t q = 0;
     if constexpr (STREAM && std::is_same_v<C, uint16_t>) {  // whole lines (line_tile), then the rest stored
-      const int64_t rest = count - std::min<int64_t>(count, 3);
+      const int64_t upper = std::min<int64_t>(count, 3);  // the tile's rows in two groups of up to 3
       for (; q + 2 <= full; q += 2) {
         const float *b0 = b_pack + q * p.k * kPanel, *b1 = b0 + p.k * kPanel;
-        switch (std::min<int64_t>(count, 3)) {
-          case 3: line_tile<3>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
-          case 2: line_tile<2>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
-          default: line_tile<1>(a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc); break;
-        }
-        switch (rest) {
-          case 3: line_tile<3>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
-          case 2: line_tile<2>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
-          case 1: line_tile<1>(a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc); break;
-          default: break;
-        }
+        line_rows(upper, a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc);
+        line_rows(count - upper, a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc);
       }
     }
     constexpr bool kStreamTiles = STREAM && std::is_same_v<C, float>;

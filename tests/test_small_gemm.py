@@ -938,8 +938,7 @@ def test_weight_grad_blocks_into_bf16_is_weight_grad_into_block_by_block(monkeyp
     torch.manual_seed(rows)
     E, (M, Nc), N = 6, shape, 3 * rows + 10
     a, b = _strided(N, M), _strided(N, Nc)
-    blocks = [(e, start, stop) for i, (e, start, stop) in enumerate(_some_blocks(N, 6, E - 1, rows))]
-    blocks = [(i, start, stop) for i, (_, start, stop) in enumerate(blocks)][: E - 1]
+    blocks = [(i, start, stop) for i, (_, start, stop) in enumerate(_some_blocks(N, 6, E - 1, rows))][: E - 1]
     out = torch.full((E, M, Nc), 7.0).bfloat16()
     assert _small_gemm.weight_grad_blocks(out, a, b, blocks, [False] * len(blocks))
     for e, start, stop in blocks:
