@@ -948,6 +948,32 @@ def test_weight_grad_blocks_into_bf16_is_weight_grad_into_block_by_block(monkeyp
     assert (out[len(blocks) :] == 7).all()
 
 
+def test_bf16_weight_grad_blocks_are_the_same_on_one_and_two_threads(monkeypatch):
+    """Decode-sized blocks into bf16 gradients run in one parallel region, each thread its
+    share of every block's rows: bitwise the same on 1 and 2 threads, and each block bit for
+    bit what weight_grad_into writes for it alone."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(3)
+    E, M, Nc, N = 12, 256, 64, 60
+    a, b = _strided(N, M), _strided(N, Nc)
+    cuts = [0, 1, 3, 8, 9, 15, 20, 28, 30, 37, 45, 52, 60]  # blocks of 1 to 8 rows
+    blocks = [(e, start, stop) for e, (start, stop) in enumerate(zip(cuts, cuts[1:]))]
+    outs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(torch.full((E, M, Nc), 7.0).bfloat16())
+            assert _small_gemm.weight_grad_blocks(outs[-1], a, b, blocks, [False] * len(blocks))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    for e, start, stop in blocks:
+        want = torch.empty(M, Nc, dtype=torch.bfloat16)
+        assert _small_gemm.weight_grad_into(want, a[start:stop].t(), b[start:stop])
+        assert torch.equal(outs[1][e].view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("rows", [4, 200])
 def test_weight_grad_blocks_is_weight_grad_into_block_by_block(monkeypatch, rows):
     """One call for every block, experts repeated: each expert's gradient bit for bit what
