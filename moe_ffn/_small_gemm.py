@@ -102,6 +102,7 @@ sharing the cores with torch's threads that spin after each op (see _small_gemm.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import importlib.machinery
@@ -392,8 +393,9 @@ def _rows_fit(blocks: list[tuple[int, int, int]], most: int) -> bool:
 
 
 def _blocks_call(fn, blocks, accumulate, *args) -> None:
-    table = torch.tensor([(e, start, stop, int(acc)) for (e, start, stop), acc in zip(blocks, accumulate)], dtype=torch.int64)
-    if fn(*args[:8], table.data_ptr(), len(blocks), *args[8:]) != 0:
+    # (an array.array, not a tensor: 2.5 against 8.7 µs for 8 blocks, 14 against 32 for 59)
+    table = array.array("q", [v for (e, start, stop), acc in zip(blocks, accumulate) for v in (e, start, stop, acc)])
+    if fn(*args[:8], table.buffer_info()[0], len(blocks), *args[8:]) != 0:
         raise RuntimeError(f"{fn.__name__}: the kernel failed on {len(blocks)} blocks (out of memory?)")
 
 
