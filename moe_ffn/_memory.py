@@ -231,8 +231,10 @@ def _give_back(buffer: mmap.mmap, grad: Tensor, slices: list[int]) -> None:
             flat[start // size : stop // size].zero_()
             continue
         buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
-        flat[start // size : first // size].zero_()
-        flat[last // size : stop // size].zero_()
+        if start < first:  # (slices of whole pages have no edges: no zero_ call, ~3 µs each)
+            flat[start // size : first // size].zero_()
+        if last < stop:
+            flat[last // size : stop // size].zero_()
 
 
 def release_gradient_memory() -> None:
