@@ -938,12 +938,24 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
             y_pD = out[lo:hi] if token_N is None else _memory.scratch(x, hi - lo, D)
-            if not (b2_ED is None and _small_gemm.linear_blocks(a_pF, w2_EDF, _within(piece, lo), out=y_pD) is not None):
+            a_kernel = a_pF
+            if a_pF.dtype != w2_EDF.dtype == x.dtype == torch.bfloat16 and _small_gemm.available():
+                # The down projection reads a bf16 a, as the first projection reads x (exact:
+                # _hidden rounded a to bf16 values): its blocks then go to the kernel in one
+                # call, or one by one reading the bf16 weight as it is, where a float32 a sent
+                # them one by one, each block's weight first copied to float32. bf16 A/B in
+                # one process (2-core AVX2 EPYC, evicted caches, 9 rounds), forward / fwd+bwd:
+                # fine T=64 26.03 → 17.29 / 74.58 → 66.65 ms, T=256 71.62 → 59.14 / 192.31 →
+                # 175.82; Mixtral T=64 33.65 → 23.90 / 96.84 → 85.92; with blocks past the
+                # kernel's 64 rows one by one too (5 rounds): Mixtral T=256 1.09 / 1.03×
+                # further, T=2048 1.02 / 0.99×, fine T=2048 1.04 / 1.02×.
+                a_kernel = a_pF.to(torch.bfloat16)
+            if not (b2_ED is None and _small_gemm.linear_blocks(a_kernel, w2_EDF, _within(piece, lo), out=y_pD) is not None):
                 for e, start, stop in piece:
                     b = None if b2_ED is None else b2_ED[e]
                     rows = slice(start - lo, stop - lo)
-                    _linear_into(y_pD[rows], a_pF[rows], w2_EDF[e], b, cdt)
-            del a_pF
+                    _linear_into(y_pD[rows], a_kernel[rows], w2_EDF[e], b, cdt)
+            del a_pF, a_kernel
             if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
                 if y_pD.dtype == weight_N.dtype:
                     y_pD.mul_(weight_N[lo:hi, None])

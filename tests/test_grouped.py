@@ -322,6 +322,44 @@ def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):
     assert calls == [] and torch.isfinite(out).all()
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bf16 (nearest even), back in t's dtype."""
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+@pytest.mark.skipif(
+    grouped._compute_dtype(torch.empty(0, dtype=torch.bfloat16)) == torch.bfloat16,
+    reason="this CPU multiplies bf16 natively: bf16 products, not float32 ones",
+)
+def test_bf16_routed_forward_rounds_where_a_native_bf16_layer_would():
+    """A bf16 layer's forward on blocks of 9-64 rows (float32 products of bf16 operands, both
+    projections through moe_ffn's kernel where it is built): every element within one bf16
+    rounding of a float64 loop that rounds to bf16 where the layer does (the first
+    projection, the activation, each slot's down projection; the weighted sum in float64).
+    Products summed in float32 flip a rounding now and then; a systematic 1 % error would put
+    nearly every element outside."""
+    torch.manual_seed(11)
+    D, F, E, T = 96, 80, 4, 48
+    counts = torch.tensor([30, 0, 9, 57])  # (an idle expert; blocks of 9 to 57 rows)
+    N = int(counts.sum())
+    token = torch.randint(0, T, (N,))
+    weight = torch.rand(N)
+    x = torch.randn(T, D).bfloat16()
+    w1 = (torch.randn(E, 2 * F, D) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F) / F**0.5).bfloat16()
+    out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True).double()
+    want = torch.zeros(T, D, dtype=torch.float64)
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    for n in range(N):
+        e, t = int(expert[n]), int(token[n])
+        h = _bf16(w1[e].double() @ x[t].double())
+        a = _bf16(torch.nn.functional.silu(h[:F]) * h[F:])
+        want[t] += float(weight[n]) * _bf16(w2[e].double() @ a)
+    want = _bf16(want)  # (the layer's output is bf16)
+    close = (out - want).abs() <= 2.0**-7 * want.abs() + 1e-6
+    assert close.float().mean() >= 0.97, f"{(~close).sum().item()} of {close.numel()} elements off"
+
+
 @pytest.mark.skipif(
     grouped._compute_dtype(torch.empty(0, dtype=torch.bfloat16)) == torch.bfloat16,
     reason="this CPU multiplies bf16 natively: no decode path",
