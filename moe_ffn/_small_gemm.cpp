@@ -1456,8 +1456,9 @@ int input_grad_blocks(const float* g, int64_t ldg, const W* w, int64_t experts, 
 // per block → one region (48 fine-grained or 6 Mixtral experts' gradients in turn, evicted
 // from the caches before each call, 9 interleaved rounds, 2-core AVX2 EPYC), 1 / 2 / 3 / 4 / 6
 // rows: 1024×512 10.2 → 14.6, 8.5 → 13.3, 10.8 → 12.0, 7.0 → 10.4, 8.7 → 9.5; 1024×1024 14.6 →
-// 14.1, 12.3 → 13.7, 11.7 → 12.6, 10.6 → 11.5, 9.1 → 9.8; Mixtral's weights level (0.95–1.01).
-// float32 gradients keep a region a block: there it was behind (0.90–1.0×) but on 1024×512.
+// 14.1, 12.3 → 13.7, 11.7 → 12.6, 10.6 → 11.5, 9.1 → 9.8; Mixtral's weights level (0.95–1.02).
+// float32 gradients keep a region a block: there it was behind on three of the four weights
+// (0.90–1.0×; 1024×512 0.94–1.12×).
 // -1 where the scratch memory could not be had.
 int thin_blocks(const float* a, int64_t lda, const float* b, int64_t ldb, uint16_t* c, int64_t c_expert, int64_t ldc,
                 const int64_t* blocks, int64_t count, int64_t m, int64_t n, int threads, const Team& team) {

@@ -336,8 +336,8 @@ def test_bf16_routed_forward_rounds_where_a_native_bf16_layer_would():
     projections through moe_ffn's kernel where it is built): every element within one bf16
     rounding of a float64 loop that rounds to bf16 where the layer does (the first
     projection, the activation, each slot's down projection; the weighted sum in float64).
-    Products summed in float32 flip a rounding now and then; a systematic 1 % error would put
-    nearly every element outside."""
+    Products summed in float32 flip a rounding now and then (no element here); a 0.3 % error
+    in the activation put 22 % of the elements outside, a 1 % one 57 %."""
     torch.manual_seed(11)
     D, F, E, T = 96, 80, 4, 48
     counts = torch.tensor([30, 0, 9, 57])  # (an idle expert; blocks of 9 to 57 rows)
