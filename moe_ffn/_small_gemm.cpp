@@ -1265,9 +1265,17 @@ inline void store_n(float* at, __m256 v, int64_t n, __m256i mask) {
 
 using Swiglu = moe_ffn_team::Swiglu<float>;
 
+// Eight float32 values rounded to bfloat16 (round8_bits), back as float32.
+inline __m256 round_to_bf16_values(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(round8_bits(v), 16)); }
+
 // Row r. silu(g) = g / (1 + e^-g), as torch computes it; its derivative
-// s·(1 + g·(1 − s)) with s = 1 / (1 + e^-g), as torch's silu_backward.
+// s·(1 + g·(1 − s)) with s = 1 / (1 + e^-g), as torch's silu_backward. ROUND (a bf16 layer
+// computing in float32, h holding bf16 values): a, da·weight and dh rounded to bf16 values
+// where grouped._hidden / _hidden_backward's ops round them (dweight from the rounded a and
+// the unscaled da), so that the layer makes one pass where those ops made seven to ten.
+template <bool ROUND>
 void swiglu_row(const Swiglu& p, int64_t r) {
+  auto round = [](__m256 v) { return ROUND ? round_to_bf16_values(v) : v; };
   const float* gate = p.h + r * p.ldh;
   const float* up = gate + p.features;
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -1279,21 +1287,21 @@ void swiglu_row(const Swiglu& p, int64_t r) {
     const __m256 g = load_n(gate + f, n, mask), u = load_n(up + f, n, mask);
     const __m256 denominator = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
     const __m256 act = _mm256_div_ps(g, denominator);
-    const __m256 a = _mm256_mul_ps(act, u);
+    const __m256 a = round(_mm256_mul_ps(act, u));
     if (p.a) store_n(p.a + r * p.lda + f, a, n, mask);
     if (!p.dh) continue;
     const __m256 da = load_n(p.da + r * p.ldda + f, n, mask);  // (zeros past n: dot unaffected)
     dot = _mm256_fmadd_ps(a, da, dot);
-    const __m256 dav = _mm256_mul_ps(da, w);
+    const __m256 dav = round(_mm256_mul_ps(da, w));
     const __m256 s = _mm256_div_ps(one, denominator);
     const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
-    store_n(p.dh + r * p.lddh + f, _mm256_mul_ps(_mm256_mul_ps(dav, u), slope), n, mask);
-    store_n(p.dh + r * p.lddh + p.features + f, _mm256_mul_ps(dav, act), n, mask);
+    store_n(p.dh + r * p.lddh + f, round(_mm256_mul_ps(_mm256_mul_ps(dav, u), slope)), n, mask);
+    store_n(p.dh + r * p.lddh + p.features + f, round(_mm256_mul_ps(dav, act)), n, mask);
   }
   if (p.dweight) p.dweight[r] = horizontal_sum(dot);
 }
 
-int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
+int swiglu(const Swiglu& p, int64_t rows, bool round_bf16, int threads, const Team& team) {
   if (rows < 0 || p.features < 0 || threads < 1) return -1;
   if (rows == 0) return 0;
   // at least 2^15 elements a thread: below that the team costs more than it saves
@@ -1301,7 +1309,7 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(rows, 1, t, n, &first, &last);
-    for (int64_t r = first; r < last; ++r) swiglu_row(p, r);
+    for (int64_t r = first; r < last; ++r) round_bf16 ? swiglu_row<true>(p, r) : swiglu_row<false>(p, r);
   });
   return 0;
 }
@@ -1634,23 +1642,25 @@ extern "C" int moe_ffn_product_bf16b(const float* a, int64_t a_step, int64_t a_r
   return product(p, false, threads, team);
 }
 
-// a = silu(h[:, :F])·h[:, F:] for h [rows, 2F] (rows ldh apart) into a [rows, F] (lda).
+// a = silu(h[:, :F])·h[:, F:] for h [rows, 2F] (rows ldh apart) into a [rows, F] (lda);
+// round_bf16: a rounded to bf16 values (see swiglu_row).
 extern "C" int moe_ffn_swiglu_f32(const float* h, int64_t ldh, float* a, int64_t lda, int64_t rows, int64_t features,
-                                  int threads, void* parallel, void* thread_num, void* num_threads) {
+                                  int round_bf16, int threads, void* parallel, void* thread_num, void* num_threads) {
   const Swiglu p{h, ldh, nullptr, 0, nullptr, a, lda, nullptr, 0, nullptr, features};
   const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
-  return a ? swiglu(p, rows, threads, team) : -1;
+  return a ? swiglu(p, rows, round_bf16 != 0, threads, team) : -1;
 }
 
 // The gradient dh [rows, 2F] (lddh) of a = silu(gate)·up (h = gate | up, ldh) from da [rows, F]
 // (ldda) scaled by weight[r] (null: 1); on the way a itself (lda; null: not wanted) and
-// dweight[r] = sum_f a·da before the scaling (null: not wanted).
+// dweight[r] = sum_f a·da before the scaling (null: not wanted); round_bf16: a, da·weight and
+// dh rounded to bf16 values (see swiglu_row).
 extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const float* da, int64_t ldda,
                                            const float* weight, float* a, int64_t lda, float* dh, int64_t lddh,
-                                           float* dweight, int64_t rows, int64_t features, int threads,
-                                           void* parallel, void* thread_num, void* num_threads) {
+                                           float* dweight, int64_t rows, int64_t features, int round_bf16,
+                                           int threads, void* parallel, void* thread_num, void* num_threads) {
   const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
   const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
-  return dh && da ? swiglu(p, rows, threads, team) : -1;
+  return dh && da ? swiglu(p, rows, round_bf16 != 0, threads, team) : -1;
 }
 

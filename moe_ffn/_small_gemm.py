@@ -241,8 +241,8 @@ def library() -> Optional[ctypes.CDLL]:
         input_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64] + team
         input_grad.restype = ctypes.c_int
     product.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int] + team
-    swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64] + team
-    swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64] + team
+    swiglu.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int] + team
+    swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_int] + team
     product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
     product_bf16b.argtypes = product_bf16.argtypes
     for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward):
@@ -792,9 +792,10 @@ def _float32(*tensors: Tensor) -> bool:
     return all(t.dtype == torch.float32 for t in tensors)
 
 
-def swiglu(h: Tensor) -> Optional[Tensor]:
+def swiglu(h: Tensor, round_bf16: bool = False) -> Optional[Tensor]:
     """silu(gate)·up for h = gate | up [rows, 2F] by the kernel, as a new [rows, F] tensor (one
-    pass, where torch makes two); None where it does not run (the caller uses torch)."""
+    pass, where torch makes two; with round_bf16 rounded to bf16 values, as a bf16 layer
+    computing in float32 rounds it); None where it does not run (the caller uses torch)."""
     if not (_float32(h) and h.shape[1] % 2 == 0):
         return None
     kernel = _kernel_for((h,), None)
@@ -803,7 +804,9 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
     lib, openmp = kernel
     rows, F = h.shape[0], h.shape[1] // 2
     a = _memory.scratch(h, rows, F)  # (a temporary of the caller's group of rows)
-    status = lib.moe_ffn_swiglu_f32(h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, torch.get_num_threads(), *openmp)
+    status = lib.moe_ffn_swiglu_f32(
+        h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, int(round_bf16), torch.get_num_threads(), *openmp
+    )
     return a if status == 0 else None
 
 
@@ -815,11 +818,13 @@ def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> boo
 
 
 def swiglu_backward(
-    h: Tensor, da: Tensor, weight: Optional[Tensor], want_a: bool, want_dweight: bool
+    h: Tensor, da: Tensor, weight: Optional[Tensor], want_a: bool, want_dweight: bool, round_bf16: bool = False
 ) -> Optional[tuple[Optional[Tensor], Tensor, Optional[Tensor]]]:
     """(a, dh, dweight) in one pass over h = gate | up [rows, 2F] and da [rows, F]: a =
     silu(gate)·up (if wanted), dh the gradient of h from da·weight[:, None] (weight None: 1),
-    dweight[r] = Σ_f a·da (if wanted, before the scaling). None where the kernel does not run."""
+    dweight[r] = Σ_f a·da (if wanted, before the scaling). round_bf16: a, da·weight and dh
+    rounded to bf16 values where grouped._hidden_backward's ops round them for a bf16 layer
+    computing in float32 (dweight from the rounded a). None where the kernel does not run."""
     rows, F = da.shape
     if not (_float32(h, da) and swiglu_backward_fits(h, da, weight)):
         return None
@@ -835,6 +840,6 @@ def swiglu_backward(
     status = lib.moe_ffn_swiglu_backward_f32(
         h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0), None if weight is None else weight.data_ptr(),
         None if a is None else a.data_ptr(), F, dh.data_ptr(), dh.stride(0),
-        None if dweight is None else dweight.data_ptr(), rows, F, torch.get_num_threads(), *openmp,
+        None if dweight is None else dweight.data_ptr(), rows, F, int(round_bf16), torch.get_num_threads(), *openmp,
     )
     return (a, dh, dweight) if status == 0 else None

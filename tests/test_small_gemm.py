@@ -559,6 +559,38 @@ def test_swiglu_kernels_match_float64(rows, F, scaled):
     assert none_a is None and none_w is None and torch.equal(dh_only, dh)
 
 
+@pytest.mark.parametrize("rows, F", [(3, 13), (50, 300)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_swiglu_kernels_round_to_bf16_where_a_bf16_layer_does(rows, F, scaled):
+    """round_bf16 (a bf16 layer computing in float32: h holds bf16 values): a, da·weight and dh
+    rounded to bf16 values where grouped's bf16 ops round them, dweight from the rounded a and
+    the unscaled da. Against float64 with the same roundings: every value a bf16 value, within
+    one bf16 rounding of the reference, and nearly all equal to it (the float32 steps before a
+    rounding flip it only near a tie); dweight within the sum's bound."""
+    _needs_kernel()
+    torch.manual_seed(rows + F)
+    h = (_strided(rows, 2 * F) * 3).bfloat16().float()
+    da = _strided(rows, F)
+    weight = torch.rand(rows) + 0.5 if scaled else None
+    a, dh, dweight = _small_gemm.swiglu_backward(h, da, weight, True, True, round_bf16=True)
+    assert torch.equal(_small_gemm.swiglu(h, round_bf16=True), a)
+
+    def bf16(t):
+        return t.to(torch.bfloat16).double()
+
+    gate, up = h.double().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    a_ref = bf16(gate * s * up)
+    dav = bf16(da.double() * (1.0 if weight is None else weight.double()[:, None]))
+    dh_ref = bf16(torch.cat([dav * up * s * (1 + gate * (1 - s)), dav * gate * s], dim=-1))
+    for got, want in ((a, a_ref), (dh, dh_ref)):
+        assert torch.equal(bf16(got), got.double())
+        assert ((got.double() - want).abs() <= 2.0**-7 * want.abs()).all()
+        assert (got.double() == want).float().mean() >= 0.98
+    bound = ((a.double() - a_ref).abs() * da.double().abs()).sum(-1) + (F + 4) * U * (a_ref.abs() * da.double().abs()).sum(-1)
+    assert ((dweight.double() - (a_ref * da.double()).sum(-1)).abs() <= bound + 1e-30).all()
+
+
 def test_swiglu_kernels_pass_nan_through():
     _needs_kernel()
     h, da = torch.ones(2, 16), torch.ones(2, 8)
