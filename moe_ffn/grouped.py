@@ -722,21 +722,21 @@ def _hidden_backward(
 
     SwiGLU in float32, in bf16 where bf16 is the compute dtype on an AMX CPU, or for a bf16
     layer computing in float32, takes our kernel's single pass over the rows (_small_gemm; _amx
-    for bf16; both rounded where the ops below round for bf16): torch's ops made seven (silu, two products, the sum, the scaling, silu_backward and
-    the copy into dh). Mixtral's shape, 512 rows, interleaved on the 2-core EPYC, float32: 2.4
-    against 9.8 ms.
+    for bf16; both rounded where the ops below round for bf16): torch's ops made seven (silu,
+    two products, the sum, the scaling, silu_backward and the copy into dh). Mixtral's shape,
+    512 rows, interleaved on the 2-core EPYC, float32: 2.4 against 9.8 ms. A bf16 layer
+    computing in float32 (CPUs without bf16 units), forward+backward against the ops below,
+    interleaved A/B (2-core AVX2 EPYC, evicted caches, 9 / 5 rounds), T = 16 / 256 / 2048: fine
+    1.045 / 1.049 / 1.026×, Mixtral 1.039 / 1.049 / 1.062×.
     """
-    if gated and h_nH.dtype == dtype in (torch.float32, torch.bfloat16) and canonical_activation(activation) == "silu":
-        kernel = _small_gemm if dtype == torch.float32 else _amx
-        fused = kernel.swiglu_backward(h_nH, da_nF, weight_n, want_a, want_dweight)
-        if fused is not None:
-            return fused
-    if gated and h_nH.dtype == torch.float32 and dtype == torch.bfloat16 and canonical_activation(activation) == "silu":
-        # a bf16 layer computing in float32 (CPUs without bf16 units): the same pass, rounding
-        # where the ops below round. bf16 forward+backward against those ops, interleaved A/B
-        # (2-core AVX2 EPYC, evicted caches, 9 / 5 rounds), T = 16 / 256 / 2048: fine 1.045 /
-        # 1.049 / 1.026×, Mixtral 1.039 / 1.049 / 1.062×.
-        fused = _small_gemm.swiglu_backward(h_nH, da_nF, weight_n, want_a, want_dweight, round_bf16=True)
+    if gated and canonical_activation(activation) == "silu":
+        fused = None
+        if h_nH.dtype == dtype == torch.bfloat16:
+            fused = _amx.swiglu_backward(h_nH, da_nF, weight_n, want_a, want_dweight)
+        elif h_nH.dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16):
+            fused = _small_gemm.swiglu_backward(
+                h_nH, da_nF, weight_n, want_a, want_dweight, round_bf16=dtype == torch.bfloat16
+            )
         if fused is not None:
             return fused
     F_ = da_nF.shape[1]
