@@ -43,16 +43,22 @@ bool ready() {
   return usable;
 }
 
-struct WeightGrad {
-  const float* a;  // [k, m], rows lda apart
+using bf16_t = uint16_t;  // a bf16 value's bits
+
+// TA, TB, TC: float, or bf16_t (bf16 operands widened exactly as they are loaded, bf16 results
+// rounded once, to nearest even as torch rounds, as they are stored).
+template <typename TA, typename TB, typename TC>
+struct WeightGradOf {
+  const TA* a;  // [k, m], rows lda apart
   int64_t lda;
-  const float* b;  // [k, n], rows ldb apart
+  const TB* b;  // [k, n], rows ldb apart
   int64_t ldb;
-  float* c;  // [m, n], rows ldc apart
+  TC* c;  // [m, n], rows ldc apart
   int64_t ldc;
   int64_t k, m, n;
   bool accumulate, stream;
 };
+using WeightGrad = WeightGradOf<float, float, float>;
 
 }  // namespace
 
@@ -67,18 +73,51 @@ namespace {
 // store's mode and the mask were run-time values: 2.6× slower), hence the template flags.
 // With A_ROWS, a's rows are c's rows (a [m, k], the product a·b, c's row i reading a[i·lda + s]
 // at step s); without, a's rows are the steps (a [k, m], aᵀ·b, reading a[s·lda + i]).
-template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false>
-void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t k,
-          __mmask16 last) {
+inline float widen(float v) { return v; }
+inline float widen(bf16_t v) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int{v} << 16))); }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+inline __m512 load16(const bf16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const bf16_t* p, __mmask16 lanes) { return widen16(_mm256_maskz_loadu_epi16(lanes, p)); }
+
+// float32 → bf16 bits, to nearest even (NaN → the quiet NaN 0x7FC0), as c10's round_to_nearest_even.
+inline __m256i round16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// STREAM: `at` 64-byte aligned (float) or 32-byte aligned (bf16).
+template <bool STREAM>
+inline void store16(float* at, __m512 v) {
+  if (STREAM) _mm512_stream_ps(at, v);
+  else _mm512_storeu_ps(at, v);
+}
+template <bool STREAM>
+inline void store16(bf16_t* at, __m512 v) {
+  if (STREAM) _mm256_stream_si256(reinterpret_cast<__m256i*>(at), round16(v));
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), round16(v));
+}
+inline void store16(float* at, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(at, lanes, v); }
+inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_epi16(at, lanes, round16(v)); }
+
+template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, typename TA,
+          typename TB, typename TC>
+void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc, int64_t k, __mmask16 last) {
+  static_assert(!ACCUMULATE || sizeof(TC) == 4, "a bf16 result is rounded once, never added to");
   __m512 acc[ROWS][VECS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < k; ++s) {
     __m512 b_s[VECS];
     for (int j = 0; j < VECS; ++j)
-      b_s[j] = MASKED && j + 1 == VECS ? _mm512_maskz_loadu_ps(last, b + 16 * j) : _mm512_loadu_ps(b + 16 * j);
+      b_s[j] = MASKED && j + 1 == VECS ? load16(b + 16 * j, last) : load16(b + 16 * j);
     for (int i = 0; i < ROWS; ++i) {
-      const __m512 a_i = _mm512_set1_ps(A_ROWS ? a[i * lda] : a[i]);
+      const __m512 a_i = _mm512_set1_ps(widen(A_ROWS ? a[i * lda] : a[i]));
       for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
     }
     a += A_ROWS ? 1 : lda;
@@ -86,25 +125,23 @@ void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, in
   }
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < VECS; ++j) {
-      float* at = c + i * ldc + 16 * j;
+      TC* at = c + i * ldc + 16 * j;
       if (MASKED && j + 1 == VECS) {
         __m512 v = acc[i][j];
-        if (ACCUMULATE) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(last, at));
-        _mm512_mask_storeu_ps(at, last, v);
+        if (ACCUMULATE) v = _mm512_add_ps(v, load16(at, last));
+        store16(at, v, last);
       } else if (ACCUMULATE) {
-        _mm512_storeu_ps(at, _mm512_add_ps(acc[i][j], _mm512_loadu_ps(at)));
-      } else if (STREAM) {
-        _mm512_stream_ps(at, acc[i][j]);
+        store16<false>(at, _mm512_add_ps(acc[i][j], load16(at)));
       } else {
-        _mm512_storeu_ps(at, acc[i][j]);
+        store16<STREAM>(at, acc[i][j]);
       }
     }
 }
 
-template <int ROWS, bool ACCUMULATE, bool STREAM>
-void strip(const WeightGrad& p, int64_t r) {
-  const float* a = p.a + r;
-  float* c = p.c + r * p.ldc;
+template <int ROWS, bool ACCUMULATE, bool STREAM, typename P>
+void strip(const P& p, int64_t r) {
+  const auto* a = p.a + r;
+  auto* c = p.c + r * p.ldc;
   int64_t q = 0;
   for (; q + 64 <= p.n; q += 64)
     tile<ROWS, 4, false, ACCUMULATE, STREAM>(a, p.lda, p.b + q, p.ldb, c + q, p.ldc, p.k, 0xFFFF);
@@ -112,7 +149,7 @@ void strip(const WeightGrad& p, int64_t r) {
   if (rest == 0) return;
   const int64_t vecs = (rest + 15) / 16;
   const __mmask16 last = static_cast<__mmask16>((1u << (rest - (vecs - 1) * 16)) - 1);
-  const float* b = p.b + q;
+  const auto* b = p.b + q;
   switch (vecs) {
     case 1: tile<ROWS, 1, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
     case 2: tile<ROWS, 2, true, ACCUMULATE, STREAM>(a, p.lda, b, p.ldb, c + q, p.ldc, p.k, last); break;
@@ -121,8 +158,8 @@ void strip(const WeightGrad& p, int64_t r) {
   }
 }
 
-template <bool ACCUMULATE, bool STREAM>
-void rows_range(const WeightGrad& p, int64_t first, int64_t last) {
+template <bool ACCUMULATE, bool STREAM, typename P>
+void rows_range(const P& p, int64_t first, int64_t last) {
   int64_t r = first;
   for (; r + 6 <= last; r += 6) strip<6, ACCUMULATE, STREAM>(p, r);
   switch (last - r) {
@@ -138,15 +175,17 @@ void rows_range(const WeightGrad& p, int64_t first, int64_t last) {
 
 // ---- product a·b (input gradients g·W) ---------------------------------------------------
 
-struct Matmul {
-  const float* a;  // [m, k] (A_ROWS) or [k, m], rows lda apart
+template <typename TA, typename TB, typename TC>
+struct MatmulOf {
+  const TA* a;  // [m, k] (A_ROWS) or [k, m], rows lda apart
   int64_t lda;
-  const float* b;  // [k, n], rows ldb apart
+  const TB* b;  // [k, n], rows ldb apart
   int64_t ldb;
-  float* c;  // [m, n], rows ldc apart
+  TC* c;  // [m, n], rows ldc apart
   int64_t ldc;
   int64_t m, k, n;
 };
+using Matmul = MatmulOf<float, float, float>;
 
 // The same register tiles as the weight gradient, the sums over k taken kMatmulDepth steps at
 // a time (b's kMatmulDepth×64 panel, 32 KiB, stays in L1 while every row tile of a block of
@@ -154,12 +193,12 @@ struct Matmul {
 constexpr int64_t kMatmulDepth = 128;
 constexpr int64_t kMatmulRows = 96;
 
-template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE>
-void matmul_panel(const Matmul& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t q, __mmask16 last) {
+template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, typename P>
+void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t q, __mmask16 last) {
   const int64_t row_step = A_ROWS ? p.lda : 1;  // from one row of c to the next in a
-  const float* a = p.a + (A_ROWS ? r0 * p.lda + s0 : s0 * p.lda + r0);
-  const float* b = p.b + s0 * p.ldb + q;
-  float* c = p.c + r0 * p.ldc + q;
+  const auto* a = p.a + (A_ROWS ? r0 * p.lda + s0 : s0 * p.lda + r0);
+  const auto* b = p.b + s0 * p.ldb + q;
+  auto* c = p.c + r0 * p.ldc + q;
   const int64_t rows = r1 - r0;
   int64_t r = 0;
   for (; r + 6 <= rows; r += 6)
@@ -177,8 +216,8 @@ void matmul_panel(const Matmul& p, int64_t r0, int64_t r1, int64_t s0, int64_t d
 }
 
 // c's rows [r0, r1) and columns [first, last_column), steps [s0, s0 + depth) of the sums.
-template <bool A_ROWS, bool ACCUMULATE>
-void matmul_pass(const Matmul& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t first,
+template <bool A_ROWS, bool ACCUMULATE, typename P>
+void matmul_pass(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t first,
                  int64_t last_column) {
   int64_t q = first;
   for (; q + 64 <= last_column; q += 64) matmul_panel<A_ROWS, 4, false, ACCUMULATE>(p, r0, r1, s0, depth, q, 0xFFFF);
@@ -297,6 +336,14 @@ void linear_range(const Linear& p, int64_t first, int64_t last) {
   }
 }
 
+// bf16 c = a·b (a [m, k]) for a few rows m: c's columns [first, last_column), every row, each
+// tile's whole sum over k in its registers (a bf16 c is rounded once; no passes over k, whose
+// partial sums would be added to c). With m ≤ 6 every element of b is read once.
+template <typename P>
+void whole_sums(const P& p, int64_t first, int64_t last_column) {
+  matmul_pass<true, false>(p, 0, p.m, 0, p.k, first, last_column);
+}
+
 void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
   if (p.accumulate) rows_range<true, false>(p, first, last);
   else if (p.stream) rows_range<false, true>(p, first, last);
@@ -396,6 +443,74 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
       const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
       const Linear p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
       linear_range(p, first, last);
+    }
+  });
+  return 0;
+}
+
+// ---- bf16: a decode step's blocks (grouped.py's bf16 layers where the CPU has bf16 units) ----
+//
+// The int64 table blocks[4i .. 4i+3] = (expert, start, stop, accumulate) as above; every block is
+// checked before any is computed (-1: nothing written). bf16 operands are widened exactly and
+// their products summed in float32 FMAs; each result rounded to bf16 once, to nearest even.
+
+namespace {
+
+bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts, bool accumulate_allowed) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1] || (b[3] != 0 && !accumulate_allowed)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (expert e's
+// weight at w + e·w_expert, rows ldw apart), y [rows, I]: the threads split y's columns (64 at a
+// time), each taking its share of every block, each block's whole sum over O in registers.
+extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg, const bf16_t* w, int64_t experts,
+                                                     int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy,
+                                                     const int64_t* blocks, int64_t count, int64_t out_features,
+                                                     int64_t in_features, int threads, void* parallel,
+                                                     void* thread_num, void* num_threads) {
+  if (!ready() || count < 0 || out_features < 1 || in_features < 0 || threads < 1) return -1;
+  if (!blocks_fit(blocks, count, experts, false)) return -1;
+  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / 64));
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(in_features, 64, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
+      const MatmulOf<float, bf16_t, bf16_t> p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                               stop - start, out_features, in_features};
+      whole_sums(p, first, last);
+    }
+  });
+  return 0;
+}
+
+// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for bf16 a [rows, m], b [rows, n] into
+// expert e's bf16 gradient c_e [m, n] (at c + e·c_expert, rows ldc apart), written over (no
+// block may accumulate); with `stream` c's whole 32-byte pieces go past the caches (c and
+// ldc·2 multiples of 32 bytes). The threads split c's rows, each taking its share of every block.
+extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t lda, const bf16_t* b, int64_t ldb,
+                                                      bf16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
+                                                      const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                                                      int stream, int threads, void* parallel, void* thread_num,
+                                                      void* num_threads) {
+  if (!ready() || count < 0 || m < 0 || n < 0 || threads < 1) return -1;
+  if (!blocks_fit(blocks, count, experts, false)) return -1;
+  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, m / 24));
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(m, 6, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
+      const WeightGradOf<float, bf16_t, bf16_t> p{a + start * lda, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
+                                                   stop - start, m, n, false, stream != 0};
+      if (stream) rows_range<false, true>(p, first, last);
+      else rows_range<false, false>(p, first, last);
     }
   });
   return 0;

@@ -760,6 +760,105 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
     return status == 0
 
 
+# bf16 decode blocks where the CPU multiplies bf16 natively but has no AMX (AVX512-BF16: the
+# 2-core AMD EPYC of family 26, 2026-12-03). There grouped.py's bf16 layers compute in bf16, and
+# torch's bf16 GEMMs (oneDNN) read a weight behind a backward product of a few rows at 8–16 GB/s.
+# _avx512.cpp's bf16 blocks entry points (the float32 kernels' register tiles, bf16 operands
+# widened as loaded, each result rounded to bf16 once as stored; the gradient a float32 copy of
+# the group's rows, a few KiB) per product, 8 or 64 weights of the benchmark's shapes in turn,
+# 9 interleaved rounds, GB/s of weight torch → kernel, two runs: input gradients g·W at 1 row
+# 8.5–13.2 → 18.9–23.1, 2 rows 8.3–13.1 → 18.1–21.8, 4 rows 8.3–12.4 → 17.1–19.6, 8 rows
+# 8.1–16.0 → 9.7–15.6, 16 rows behind on Mixtral's 7168×1024 (7.7–13.8 → 6.7–9.4); weight
+# gradients gᵀ·x (bf16, written over, streamed from 2^19 elements) 1 row 11.2–15.7 → 24.4–31.1,
+# 4 rows 11.7–15.1 → 20.3–25.4, 8 rows 10.7–21.0 → 16.0–30.5, 16 rows mixed (10.4–19.9 →
+# 10.2–20.8). The kernels' float32 FMAs run out of issue slots from about 8 rows, where bf16
+# dot-product instructions would double the rate (not written).
+BF16_BLOCKS_MAX_ROWS = 8
+_BF16_STREAM_ELEMENTS = 1 << 19
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_blocks_entry_points():
+    """(input gradient, weight gradient) bf16 blocks entry points where they run: torch at
+    AVX512 on a CPU with AVX512-BF16 and no AMX (AMX CPUs: _amx's kernels), the AVX-512 kernels
+    built and ready; else None."""
+    if not (
+        _torch_on_avx512() and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+        and _avx512_entry_points() is not None
+    ):
+        return None
+    lib = library()
+    try:
+        input_grad, weight_grad = lib.moe_ffn_avx512_input_grad_blocks_bf16, lib.moe_ffn_avx512_weight_grad_blocks_bf16
+    except AttributeError:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    team = [c_int, ptr, ptr, ptr]
+    input_grad.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
+    input_grad.restype = weight_grad.restype = c_int
+    return input_grad, weight_grad
+
+
+def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumulate=None):
+    """(entry points, torch's OpenMP entry points) where the bf16 blocks kernels take these bf16
+    tensors and blocks (each of 1 to BF16_BLOCKS_MAX_ROWS rows, none accumulating); else None."""
+    points = _bf16_blocks_entry_points()
+    if points is None or not all(t.dtype == torch.bfloat16 for t in (*inputs, out)) or out.stride(-1) != 1:
+        return None
+    if accumulate is not None and any(accumulate):
+        return None
+    if not (blocks and _rows_fit(blocks, BF16_BLOCKS_MAX_ROWS)):
+        return None
+    kernel = _kernel_for(inputs, None)
+    return None if kernel is None else (points, kernel[1])
+
+
+def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop), all bf16, in one
+    call, each result rounded to bf16 once (see BF16_BLOCKS_MAX_ROWS); returns whether it ran
+    (when False, `out` is untouched)."""
+    found = _bf16_blocks_kernel((g,), out, blocks) if w_EOI.dim() == 3 and w_EOI.stride(2) == 1 else None
+    if found is None or not _writable_rows(out):
+        return False
+    E, O, I = w_EOI.shape
+    if g.shape[1] != O or out.shape != (g.shape[0], I):
+        raise ValueError(f"bf16_input_grad_blocks: g {tuple(g.shape)} through w {tuple(w_EOI.shape)} into {tuple(out.shape)} do not fit")
+    _check_blocks("bf16_input_grad_blocks", blocks, g.shape[0], E, f"{tuple(g.shape)}, w {tuple(w_EOI.shape)}")
+    g32 = g.float()  # (a few rows: broadcast from float32, not widened once per use)
+    _blocks_call(
+        found[0][0], blocks, [False] * len(blocks), g32.data_ptr(), g32.stride(0), w_EOI.data_ptr(), E,
+        w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0), O, I, torch.get_num_threads(), *found[1],
+    )
+    return True
+
+
+def bf16_weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
+) -> bool:
+    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), all bf16, in
+    one call, written over (old contents not read), each result rounded to bf16 once; returns
+    whether it ran (when False, `out_EMN` is untouched: also where any block accumulates)."""
+    found = _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate) if out_EMN.dim() == 3 else None
+    if found is None:
+        return False
+    E, M, N = out_EMN.shape
+    if a.shape != (b.shape[0], M) or b.shape[1] != N or len(accumulate) != len(blocks):
+        raise ValueError(f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} "
+                         f"and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit")
+    _check_blocks("bf16_weight_grad_blocks", blocks, a.shape[0], E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
+    stream = (
+        M * N >= _BF16_STREAM_ELEMENTS and out_EMN.data_ptr() % 64 == 0
+        and out_EMN.stride(0) % 32 == 0 and out_EMN.stride(1) % 32 == 0
+    )
+    a32 = a.float()
+    _blocks_call(
+        found[0][1], blocks, accumulate, a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(),
+        E, out_EMN.stride(0), out_EMN.stride(1), M, N, int(stream), torch.get_num_threads(), *found[1],
+    )
+    return True
+
+
 def _product(
     kernel: tuple, out: Tensor, a: Tensor, a_steps_are_rows: bool, b: Tensor, b_steps_are_rows: bool,
     bias: Optional[Tensor] = None, accumulate: bool = False,

@@ -981,6 +981,35 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     return out, h_NH
 
 
+def _kernel_subset(blocks: list) -> list[bool]:
+    """Which of the blocks the bf16 decode kernels take (1 to BF16_BLOCKS_MAX_ROWS rows)."""
+    return [stop - start <= _small_gemm.BF16_BLOCKS_MAX_ROWS for _, start, stop in blocks]
+
+
+def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> list[bool]:
+    """The blocks' input gradients g·w_e that a kernel wrote into `out` in one call (AVX2: all
+    or none; bf16 decode kernels: the blocks of a few rows), as one flag per block; the caller
+    computes the rest."""
+    if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks):
+        return [True] * len(blocks)
+    small = _kernel_subset(blocks)
+    if any(small) and _small_gemm.bf16_input_grad_blocks(out, g, w_EOI, [b for b, s in zip(blocks, small) if s]):
+        return small
+    return [False] * len(blocks)
+
+
+def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
+    """The same for the blocks' weight gradients a·ᵀb into out_EMN[e] (`again`: the block adds to
+    its expert's first piece)."""
+    if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
+        return [True] * len(blocks)
+    small = [s and not add for s, add in zip(_kernel_subset(blocks), again)]
+    chosen = [(block, add) for block, add, s in zip(blocks, again, small) if s]
+    if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, [c[0] for c in chosen], [c[1] for c in chosen]):
+        return small
+    return [False] * len(blocks)
+
+
 def _ffn_backward(
     grad_out, x, h_NH, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b2_ED,
     activation, gated, need_x, need_w, with_bias, need_weight,
@@ -1026,8 +1055,9 @@ def _ffn_backward(
         h_gH = h_NH[first:last].to(cdt)
         da_gF = _memory.scratch(g_gD, last - first, F_)
         within = _within(group, first)
-        if not _small_gemm.input_grad_blocks(da_gF, g_gD, w2_EDF, within):
-            for e, start, stop in group:
+        none = [False] * len(group)  # (no block done by a kernel)
+        for (e, start, stop), done in zip(group, _input_grad_blocks(da_gF, g_gD, w2_EDF, within)):
+            if not done:
                 rows = slice(start - first, stop - first)
                 _linear(g_gD[rows], w2_EDF[e].t(), out=da_gF[rows])  # (in cdt; bf16 weights read as they are)
         a_gF, dh_gH, dweight_g = _hidden_backward(
@@ -1049,9 +1079,12 @@ def _ffn_backward(
         for e, _, _ in group:
             again.append(e in seen)
             seen.add(e)
-        if need_w and not (not with_bias and _small_gemm.weight_grad_blocks(grad_w2, g_gD, a_gF, within, again)):
+        if need_w:
             # down projection's weight gradient, from the recomputed hidden rows
-            for (e, start, stop), add in zip(group, again):
+            w2_done = _weight_grad_blocks(grad_w2, g_gD, a_gF, within, again) if not with_bias else none
+            for (e, start, stop), add, done in zip(group, again, w2_done):
+                if done:
+                    continue
                 rows = slice(start - first, stop - first)
                 _matmul_into(grad_w2[e], g_gD[rows].t(), a_gF[rows], accumulate=add, overwrite=stale2)
                 if with_bias:
@@ -1060,16 +1093,16 @@ def _ffn_backward(
         x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
         dx_gD = _memory.scratch(dh_gH, last - first, D) if (need_x and routed) else None
         dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
-        w_done = need_w and not with_bias and _small_gemm.weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again)
-        x_done = need_x and _small_gemm.input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within)
-        for (e, start, stop), add in zip(group, again):
+        w_done = _weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again) if need_w and not with_bias else none
+        x_done = _input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within) if need_x else none
+        for (e, start, stop), add, w_done_e, x_done_e in zip(group, again, w_done, x_done):
             rows = slice(start - first, stop - first)
             dh_nH = dh_gH[rows]
-            if need_w and not w_done:
+            if need_w and not w_done_e:
                 _matmul_into(grad_w1[e], dh_nH.t(), x_gD[rows], accumulate=add, overwrite=stale1)
                 if with_bias:
                     grad_b1[e] = dh_nH.sum(0) + (grad_b1[e] if add else 0)
-            if need_x and not x_done:
+            if need_x and not x_done_e:
                 _linear(dh_nH, w1_EHD[e].t(), out=dx_gD_[rows])
         written = seen
         if dx_gD is not None:
