@@ -696,6 +696,120 @@ def test_avx512_weight_grad_declines_what_it_does_not_take():
         _small_gemm.avx512_weight_grad_into(out, torch.randn(lo, 8).t(), torch.randn(lo, 31))
 
 
+# --- bf16 decode blocks on AVX512-BF16 CPUs without AMX (_small_gemm.bf16_*_blocks) ------------
+
+def _bf16_blocks_here() -> bool:
+    return (
+        torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+        and not torch.cpu._is_amx_tile_supported()
+    )
+
+
+@pytest.mark.skipif(not on_x86_linux_with_avx2, reason="the kernel is built for x86-64 Linux with AVX2 only")
+@pytest.mark.skipif(os.environ.get("MOE_FFN_SMALL_GEMM") == "0", reason="switched off by MOE_FFN_SMALL_GEMM=0")
+def test_bf16_blocks_kernels_run_where_the_cpu_has_avx512_bf16_and_no_amx():
+    """A build or a check that loses them must not pass as their tests skipping."""
+    if not _bf16_blocks_here():
+        assert _small_gemm._bf16_blocks_entry_points() is None
+        pytest.skip("not an AVX512-BF16 CPU without AMX (as torch reports it)")
+    assert _small_gemm._bf16_blocks_entry_points() is not None
+
+
+def _needs_bf16_blocks():
+    if _small_gemm._bf16_blocks_entry_points() is None:
+        pytest.skip("no bf16 blocks kernels here (not an AVX512-BF16 CPU without AMX, or the library not built)")
+
+
+# blocks of 1 to BF16_BLOCKS_MAX_ROWS rows, experts in any order, rows between blocks unused
+_BF16_BLOCKS = [(2, 0, 1), (0, 1, 9), (3, 10, 13), (1, 13, 19)]
+
+
+def _bf16_within_one_rounding(got: torch.Tensor, exact: torch.Tensor, fp32_bound: torch.Tensor) -> None:
+    """got is exact rounded to bf16 once from a float32 sum: within half a bf16 ulp of a value
+    within fp32_bound of exact (2^-9 relative), and equal to exact's own rounding nearly always
+    (a float32 sum landing on the other side of a rounding boundary is rare)."""
+    assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2 * fp32_bound).all()
+    assert (got == exact.bfloat16()).double().mean() >= 0.98
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (40, 64), (100, 77), (64, 1040), (1024, 512)])
+def test_bf16_input_grad_blocks_are_each_blocks_product_rounded_once(shape):
+    """out[start:stop] = g[start:stop]·w_e, bf16 in and out, into a slice of a wider tensor:
+    rows outside the blocks and the margins untouched; one call for all blocks is the same
+    as one call per block and as one thread."""
+    _needs_bf16_blocks()
+    O, I = shape
+    torch.manual_seed(0)
+    w = torch.randn(4, O, I).bfloat16()
+    g = torch.randn(19, O).bfloat16()
+    wide = torch.full((19, I + 9), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 4 : I + 4]
+    assert _small_gemm.bf16_input_grad_blocks(out, g, w, _BF16_BLOCKS)
+    for e, start, stop in _BF16_BLOCKS:
+        exact = g[start:stop].double() @ w[e].double()
+        bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), O)
+        _bf16_within_one_rounding(out[start:stop], exact, bound)
+    assert wide[9].isnan().all() and wide[:, :4].isnan().all() and wide[:, I + 4 :].isnan().all()
+    one_by_one = torch.empty_like(out)
+    for block in _BF16_BLOCKS:
+        assert _small_gemm.bf16_input_grad_blocks(one_by_one, g, w, [block])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = torch.empty_like(out)
+        assert _small_gemm.bf16_input_grad_blocks(single, g, w, _BF16_BLOCKS)
+    finally:
+        torch.set_num_threads(threads)
+    rows = torch.ones(19, dtype=torch.bool)
+    rows[9] = False
+    assert torch.equal(one_by_one[rows], out[rows]) and torch.equal(single[rows], out[rows])
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (97, 300), (1024, 512), (520, 1024)])
+@pytest.mark.parametrize("own", [False, True])
+def test_bf16_weight_grad_blocks_are_each_blocks_product_rounded_once(shape, own):
+    """out[e] = a[start:stop]ᵀ·b[start:stop] written over old contents (NaN here), bf16 in and
+    out; experts without a block untouched. own: a tensor of its own, whose (1024, 512) and
+    (520, 1024) gradients are stored streaming; else a slice with odd strides (plain stores)."""
+    _needs_bf16_blocks()
+    M, N = shape
+    torch.manual_seed(1)
+    a, b = torch.randn(19, M).bfloat16(), torch.randn(19, N).bfloat16()
+    whole = torch.full((5, M, N + (0 if own else 3)), float("nan"), dtype=torch.bfloat16)
+    out = whole if own else whole[:, :, 1 : N + 1]
+    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, _BF16_BLOCKS, [False] * 4)
+    for e, start, stop in _BF16_BLOCKS:
+        exact = a[start:stop].double().t() @ b[start:stop].double()
+        bound = _bound(a[start:stop].double().abs().t(), b[start:stop].double().abs(), stop - start)
+        _bf16_within_one_rounding(out[e], exact, bound)
+    assert whole[4].isnan().all()
+    if not own:
+        assert whole[:, :, 0].isnan().all() and whole[:, :, N + 1 :].isnan().all()
+
+
+def test_bf16_blocks_kernels_decline_what_they_do_not_take():
+    """Blocks past BF16_BLOCKS_MAX_ROWS, a block accumulating, float32 tensors: False, nothing
+    written; shapes that do not fit: an error naming them."""
+    _needs_bf16_blocks()
+    most = _small_gemm.BF16_BLOCKS_MAX_ROWS
+    w = torch.randn(2, 24, 40).bfloat16()
+    g = torch.randn(most + 1, 24).bfloat16()
+    out = torch.full((most + 1, 40), 7.0, dtype=torch.bfloat16)
+    assert not _small_gemm.bf16_input_grad_blocks(out, g, w, [(0, 0, most + 1)])
+    assert not _small_gemm.bf16_input_grad_blocks(out.float(), g.float(), w.float(), [(0, 0, 1)])
+    grads = torch.full((2, 24, 40), 7.0, dtype=torch.bfloat16)
+    x = torch.randn(most + 1, 40).bfloat16()
+    assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, most + 1)], [False])
+    assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, 2), (0, 2, 4)], [False, True])
+    assert bool((out == 7).all()) and bool((grads == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.bf16_input_grad_blocks(out[:, :20], g, w, [(0, 0, 2)])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.bf16_weight_grad_blocks(grads, g[:, :20], x, [(0, 0, 2)], [False])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.bf16_input_grad_blocks(out, g, w, [(2, 0, 2)])  # no expert 2
+
+
 def test_environment_switch_turns_the_kernel_off():
     code = "from moe_ffn import _small_gemm; print(_small_gemm.library() is None)"
     env = dict(os.environ, MOE_FFN_SMALL_GEMM="0")
