@@ -515,3 +515,132 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t ld
   });
   return 0;
 }
+
+// Forward y[start:stop] = x[start:stop]·w_eᵀ for bf16 x [rows, I], w_e [O, I], y [rows, O] on
+// AVX512-BF16's dot-product instruction (vdpbf16ps: 32 bf16 pairs' products into 16 float32
+// sums; inputs and results of subnormal size flushed to zero, as oneDNN's AVX512-BF16 and AMX
+// kernels flush them): register tiles of up to 4 rows of x by 6 rows of w, each tile's whole
+// sum over I in its registers (no chunks: a bf16 y is rounded once), reduced across lanes at
+// the end. The threads split w's rows, each taking its share of every block.
+
+namespace {
+
+bool bf16_ready() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return ready() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));  // AVX512_BF16
+  }();
+  return usable;
+}
+
+inline bf16_t round1(float v) {  // as round16, one value
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, 4);
+  if (v != v) return 0x7FC0;
+  return static_cast<bf16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+struct LinearBf16 {
+  const bf16_t* x;  // [rows, I], rows ldx apart
+  int64_t ldx;
+  const bf16_t* w;  // [O, I], rows ldw apart
+  int64_t ldw;
+  bf16_t* y;  // [rows, O], rows ldy apart
+  int64_t ldy;
+  int64_t rows, in_features;
+};
+
+inline __m512bh pairs(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pairs(const bf16_t* p, __mmask32 lanes) { return (__m512bh)_mm512_maskz_loadu_epi16(lanes, p); }
+
+template <int ROWS, int COLS>
+void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y) {
+  __m512 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t depth = p.in_features, whole = depth & ~int64_t{31};
+  for (int64_t k = 0; k < whole; k += 32) {
+    __m512bh w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512bh x_k = pairs(x + i * p.ldx + k);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
+    }
+  }
+  if (whole < depth) {
+    const __mmask32 lanes = static_cast<__mmask32>((uint64_t{1} << (depth - whole)) - 1);
+    __m512bh w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + whole, lanes);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512bh x_k = pairs(x + i * p.ldx + whole, lanes);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = round1(_mm512_reduce_add_ps(acc[i][j]));
+}
+
+template <int COLS>
+void dot_strip(const LinearBf16& p, int64_t o) {
+  const bf16_t* w = p.w + o * p.ldw;
+  int64_t r = 0;
+  for (; r + 4 <= p.rows; r += 4) dot_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o);
+  const bf16_t* x = p.x + r * p.ldx;
+  bf16_t* y = p.y + r * p.ldy + o;
+  switch (p.rows - r) {
+    case 3: dot_tile<3, COLS>(p, x, w, y); break;
+    case 2: dot_tile<2, COLS>(p, x, w, y); break;
+    case 1: dot_tile<1, COLS>(p, x, w, y); break;
+    default: break;
+  }
+}
+
+// w's rows [first, last) in strips of 6.
+void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
+  int64_t o = first;
+  for (; o + 6 <= last; o += 6) dot_strip<6>(p, o);
+  switch (last - o) {
+    case 5: dot_strip<5>(p, o); break;
+    case 4: dot_strip<4>(p, o); break;
+    case 3: dot_strip<3>(p, o); break;
+    case 2: dot_strip<2>(p, o); break;
+    case 1: dot_strip<1>(p, o); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// 1 where the bf16 forward below runs (AVX-512 F/BW/VL and AVX512_BF16, enabled by the OS).
+extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
+
+// The blocks' forward products (table and checks as the bf16 entry points above); -1 where the
+// CPU lacks AVX512_BF16.
+extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t experts,
+                                                 int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy,
+                                                 const int64_t* blocks, int64_t count, int64_t out_features,
+                                                 int64_t in_features, int threads, void* parallel, void* thread_num,
+                                                 void* num_threads) {
+  if (!bf16_ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
+  if (!blocks_fit(blocks, count, experts, false)) return -1;
+  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(out_features, 6, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
+      const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
+      dot_range(p, first, last);
+    }
+  });
+  return 0;
+}

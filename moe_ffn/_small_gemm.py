@@ -409,15 +409,22 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     into `out` [rows, O] or a new tensor, rows outside the blocks left unwritten; None where it
     does not run: float32, every block of 1 to this CPU's forward rows (`ranges()`), or on
     AVX-512 CPUs decode-sized (`BLOCKS_MAX_ROWS`) on the AVX-512 kernel, all blocks in one
-    parallel region there; or bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows).
-    Each block's sums are the ones `linear_into` forms for it, or on AVX-512 CPUs
-    `avx512_linear_into`."""
+    parallel region there; or bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
+    or on AVX512-BF16 CPUs without AMX of 1 to BF16_FORWARD_MAX_ROWS on bf16 dot products
+    (`bf16_forward_blocks_fit`). Each block's sums are the ones `linear_into` forms for it, or
+    on AVX-512 CPUs `avx512_linear_into`."""
     bf16 = x.dtype == torch.bfloat16
     if not (
         x.dtype == w_EOI.dtype == (torch.bfloat16 if bf16 else torch.float32) and (out is None or out.dtype == x.dtype)
         and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
     ):
         return None
+    if bf16 and bf16_forward_blocks_fit(blocks):  # AVX512-BF16 CPUs without AMX: bf16 as it is
+        y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
+        found = _bf16_blocks_kernel((x,), y, blocks, most=BF16_FORWARD_MAX_ROWS)
+        if found is not None and _writable_rows(y):
+            _through_experts("linear_blocks", found[0][2], found[1], x, w_EOI, y, blocks, transposed=True)
+            return y
     avx512 = None if bf16 else _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
     if bf16:
         most = min(MAX_ROWS, ranges().bf16)
@@ -774,6 +781,12 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
 # 10.2–20.8). The kernels' float32 FMAs run out of issue slots from about 8 rows, where bf16
 # dot-product instructions would double the rate (not written).
 BF16_BLOCKS_MAX_ROWS = 8
+# The forward x·Wᵀ on AVX512-BF16's dot-product instruction (`linear_blocks`), per product as
+# above (GB/s of weight, torch's bf16 linear → the kernel; the AVX2 kernel that took 1–2-row
+# blocks there before in brackets): 1 row 17.7–19.9 → 35.1–42.7 (28.3–35.8), 2 rows 17.2–22.0 →
+# 31.1–35.4 (21.3–35.9), 4 rows 17.5–25.8 → 25.7–38.2, 8 rows 15.4–25.7 → 18.3–33.5, 16 rows
+# 14.5–21.3 → 15.0–23.5; level at 32 (10.8–14.8 against 11.1–14.8).
+BF16_FORWARD_MAX_ROWS = 16
 _BF16_STREAM_ELEMENTS = 1 << 19
 
 
@@ -790,25 +803,34 @@ def _bf16_blocks_entry_points():
     lib = library()
     try:
         input_grad, weight_grad = lib.moe_ffn_avx512_input_grad_blocks_bf16, lib.moe_ffn_avx512_weight_grad_blocks_bf16
+        ready, linear = lib.moe_ffn_avx512_bf16_ready, lib.moe_ffn_avx512_linear_blocks_bf16
     except AttributeError:
+        return None
+    ready.restype = ctypes.c_int
+    if ready() != 1:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     team = [c_int, ptr, ptr, ptr]
-    input_grad.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    input_grad.argtypes = linear.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
-    input_grad.restype = weight_grad.restype = c_int
-    return input_grad, weight_grad
+    input_grad.restype = weight_grad.restype = linear.restype = c_int
+    return input_grad, weight_grad, linear
 
 
-def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumulate=None):
+def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether `linear_blocks` takes these bf16 blocks on the AVX512-BF16 forward kernel."""
+    return bool(blocks) and _bf16_blocks_entry_points() is not None and _rows_fit(blocks, BF16_FORWARD_MAX_ROWS)
+
+
+def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumulate=None, most=BF16_BLOCKS_MAX_ROWS):
     """(entry points, torch's OpenMP entry points) where the bf16 blocks kernels take these bf16
-    tensors and blocks (each of 1 to BF16_BLOCKS_MAX_ROWS rows, none accumulating); else None."""
+    tensors and blocks (each of 1 to `most` rows, none accumulating); else None."""
     points = _bf16_blocks_entry_points()
     if points is None or not all(t.dtype == torch.bfloat16 for t in (*inputs, out)) or out.stride(-1) != 1:
         return None
     if accumulate is not None and any(accumulate):
         return None
-    if not (blocks and _rows_fit(blocks, BF16_BLOCKS_MAX_ROWS)):
+    if not (blocks and _rows_fit(blocks, most)):
         return None
     kernel = _kernel_for(inputs, None)
     return None if kernel is None else (points, kernel[1])

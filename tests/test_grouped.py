@@ -292,8 +292,10 @@ def test_bf16_units_decode_runs_on_grouped_mm_when_a_block_outgrows_the_kernel(m
     """On CPUs with bf16 units (forced here, as is the kernel's 2-row bf16 limit there):
     decode-sized blocks with one of 3 rows go through one torch._grouped_mm per projection,
     within bf16 rounding of the float64 loop and of the per-block loop; blocks of at most 2
-    rows each stay off it (the kernel, or the loop, takes them)."""
+    rows each stay off it (the kernel, or the loop, takes them). (AVX512-BF16 CPUs without AMX
+    take such blocks on bf16 dot products instead: switched off here, tested below.)"""
     monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: True)
+    monkeypatch.setattr(grouped._small_gemm, "_bf16_blocks_entry_points", lambda: None)
     limits = grouped._small_gemm.Ranges(forward=8, input_grad=8, weight_grad=0, bf16=2)
     monkeypatch.setattr(grouped._small_gemm, "ranges", lambda: limits)
     x, w1, w2, counts, token, weight = _bf16_decode_case()  # blocks of 2, 0, 3, 1 rows
@@ -310,6 +312,32 @@ def test_bf16_units_decode_runs_on_grouped_mm_when_a_block_outgrows_the_kernel(m
         small = torch.tensor([2, 0, 2, 1])
         routed_ffn(x, w1, w2, small, token[:5], weight[:5], activation="silu", gated=True)
         assert len(calls) == 2  # no more calls
+
+
+def test_bf16_decode_on_avx512_bf16_runs_in_one_kernel_call_per_projection(monkeypatch):
+    """On AVX512-BF16 CPUs without AMX, decode-sized bf16 blocks (2, 0, 3 and 1 rows) run in one
+    call of the bf16 dot-product kernel per projection, no torch._grouped_mm, within bf16
+    rounding of the float64 loop; the idle expert (NaN weights) is never read; its gradients
+    (through the backward's bf16 blocks kernels) within bf16 rounding of float64's."""
+    if _small_gemm._bf16_blocks_entry_points() is None:
+        pytest.skip("no bf16 blocks kernels here (not an AVX512-BF16 CPU without AMX, or the library not built)")
+    x, w1, w2, counts, token, weight = _bf16_decode_case()
+    grouped_mm_calls = _count_grouped_mm(monkeypatch) if grouped._cpu_grouped_mm_available() else []
+    calls, real = [], _small_gemm.linear_blocks
+    monkeypatch.setattr(_small_gemm, "linear_blocks", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    out = routed_ffn(*leaves, counts, token, weight, activation="silu", gated=True)
+    assert len(calls) == 2 and grouped_mm_calls == []
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    ref = _bf16_decode_reference(*ref_leaves, counts, token, weight)
+    assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
+    g = torch.linspace(-1, 1, out.numel()).view(out.shape)
+    grads = torch.autograd.grad((out.float() * g).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), ref_leaves)
+    for got, want in zip(grads, ref_grads):
+        used = want.isfinite()  # (the idle expert's float64 gradient is NaN·0)
+        assert (got.double()[used] - want[used]).abs().max() <= 3e-2 * want[used].abs().max()
+    assert (grads[1][1] == 0).all() and (grads[2][1] == 0).all()  # the idle expert: exact zeros
 
 
 def test_bf16_decode_with_unaligned_dims_stays_on_the_loop(monkeypatch):

@@ -787,6 +787,59 @@ def test_bf16_weight_grad_blocks_are_each_blocks_product_rounded_once(shape, own
         assert whole[:, :, 0].isnan().all() and whole[:, :, N + 1 :].isnan().all()
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 31), (6, 32), (13, 100), (64, 1040), (40, 3584)])
+def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
+    """linear_blocks on AVX512-BF16's dot products: y[start:stop] = x[start:stop]·w_eᵀ for blocks
+    of 1 to BF16_FORWARD_MAX_ROWS rows (tiles of 4 rows by 6 and their tails; I not a multiple
+    of 32: the masked last step), into a slice of a wider tensor, rows outside the blocks and
+    the margins untouched; the same on one thread."""
+    _needs_bf16_blocks()
+    O, I = shape
+    most = _small_gemm.BF16_FORWARD_MAX_ROWS
+    blocks = [(1, 0, 3), (0, 3, 3 + most), (2, 4 + most, 5 + most), (1, 5 + most, 10 + most)]
+    rows = 10 + most
+    torch.manual_seed(2)
+    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(rows, I).bfloat16()
+    wide = torch.full((rows, O + 7), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 2 : O + 2]
+    assert _small_gemm.bf16_forward_blocks_fit(blocks) and not _small_gemm.bf16_forward_blocks_fit([(0, 0, most + 1)])
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
+    for e, start, stop in blocks:
+        exact = x[start:stop].double() @ w[e].double().t()
+        bound = _bound(x[start:stop].double().abs(), w[e].double().abs().t(), I)
+        _bf16_within_one_rounding(out[start:stop], exact, bound)
+    assert wide[3 + most].isnan().all() and wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _small_gemm.linear_blocks(x, w, blocks)
+    finally:
+        torch.set_num_threads(threads)
+    used = torch.ones(rows, dtype=torch.bool)
+    used[3 + most] = False
+    assert torch.equal(single[used], out[used])
+
+
+def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
+    """Sums exactly halfway between two bf16 values: 1 + 2^-8 rounds down to 1 (even), (1 +
+    2^-7) + 2^-8 up to 1 + 2^-6 (even), as torch rounds; inf - inf (x86's NaN, 0xFFC00000)
+    gives torch's bf16 NaN, 0x7FC0."""
+    _needs_bf16_blocks()
+    h = 2.0**-8
+    want = torch.tensor([[1.0, 1 + 4 * h, float("nan")]], dtype=torch.bfloat16)
+    ones = torch.ones(1, 2, dtype=torch.bfloat16)
+    w = torch.tensor([[[1.0, h], [1 + 2 * h, h], [float("inf"), -float("inf")]]], dtype=torch.bfloat16)  # [1, 3, 2]
+    same_bits = lambda got: torch.equal(got.view(torch.int16), want.view(torch.int16))  # noqa: E731 (NaN: 0x7FC0)
+    assert same_bits(_small_gemm.linear_blocks(ones, w, [(0, 0, 1)]))
+    w_t = w.transpose(1, 2).contiguous()  # [1, 2, 3]: g·W sums over its 2 rows
+    out = torch.empty(1, 3, dtype=torch.bfloat16)
+    assert _small_gemm.bf16_input_grad_blocks(out, ones, w_t, [(0, 0, 1)])
+    assert same_bits(out)
+    grads = torch.empty(1, 1, 3, dtype=torch.bfloat16)
+    assert _small_gemm.bf16_weight_grad_blocks(grads, torch.ones(2, 1, dtype=torch.bfloat16), w_t[0], [(0, 0, 2)], [False])
+    assert same_bits(grads[0])
+
+
 def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     """Blocks past BF16_BLOCKS_MAX_ROWS, a block accumulating, float32 tensors: False, nothing
     written; shapes that do not fit: an error naming them."""
