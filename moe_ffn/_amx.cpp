@@ -580,8 +580,14 @@ void swiglu_row(const Swiglu& p, int64_t r) {
   if (p.dweight) p.dweight[r] = _mm512_cvtss_f32(rounded(_mm512_set1_ps(_mm512_reduce_add_ps(dot))));
 }
 
+// (AVX-512 only, no AMX: the SwiGLU passes run on AVX-512 CPUs without tiles too.)
+bool avx512_ready() {
+  static const bool usable = moe_ffn_team::avx512_enabled();
+  return usable;
+}
+
 int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
-  if (!ready() || rows < 0 || p.features < 0 || threads < 1) return -1;
+  if (!avx512_ready() || rows < 0 || p.features < 0 || threads < 1) return -1;
   if (rows == 0) return 0;
   // at least 2^15 elements a thread: below that the team costs more than it saves
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, rows * p.features >> 15));
@@ -630,7 +636,8 @@ extern "C" int moe_ffn_amx_weight_grad(const uint16_t* a, int64_t lda, const uin
 }
 
 // a = silu(h[:, :F])·h[:, F:] for bf16 h [rows, 2F] (rows ldh apart) into bf16 a [rows, F] (lda),
-// rounded where torch's two bf16 ops round (swiglu_row).
+// rounded where torch's two bf16 ops round (swiglu_row). This and the backward below need
+// AVX-512 only (F/BW/VL/DQ; no tiles), not moe_ffn_amx_ready().
 extern "C" int moe_ffn_amx_swiglu_bf16(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t rows,
                                        int64_t features, int threads, void* parallel, void* thread_num,
                                        void* num_threads) {

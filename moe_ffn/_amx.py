@@ -94,13 +94,29 @@ def available() -> bool:
     return points is not None and _small_gemm.torch_openmp() is not None and points[0]() == 1
 
 
+@functools.lru_cache(maxsize=None)
+def swiglu_available() -> bool:
+    """Whether the bf16 SwiGLU backward pass runs here: it needs AVX-512 only, not AMX, so CPUs
+    with AVX512-BF16 but no tiles (whose bf16 layers compute in bf16) take it too. There the
+    forward pass stays on torch's two ops: on the 2-core AMD EPYC with AVX512-BF16 (interleaved
+    A/B in one process, torch's ops → the pass, 7 rounds forward, 5 forward+backward) the
+    forward was level or behind (Mixtral T = 16 / 256 / 2048 1.05 / 1.01 / 0.95×, fine 1.02 /
+    0.97 / 0.97×); forward+backward with the backward pass alone 0.99 / 1.05 / 1.02×, fine
+    1.02 / 1.01 / 1.00×."""
+    points = _entry_points()
+    return points is not None and _small_gemm.torch_openmp() is not None and (
+        points[0]() == 1 or _small_gemm._avx512_entry_points() is not None
+    )
+
+
 def _bf16(*tensors: Tensor) -> bool:
     return all(t.dtype == torch.bfloat16 for t in tensors)
 
 
-def _openmp(inputs: tuple[Tensor, ...], out: Optional[Tensor]):
-    """torch's OpenMP entry points where the kernel may take these tensors, else None."""
-    if not available():
+def _openmp(inputs: tuple[Tensor, ...], out: Optional[Tensor], swiglu: bool = False):
+    """torch's OpenMP entry points where the kernel (swiglu: the SwiGLU passes) may take these
+    tensors, else None."""
+    if not (swiglu_available() if swiglu else available()):
         return None
     kernel = _small_gemm._kernel_for(inputs, out)
     return None if kernel is None else kernel[1]
@@ -187,7 +203,7 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
     product); None where it does not run (the caller uses torch's ops)."""
     if not (_bf16(h) and h.dim() == 2 and h.shape[1] % 2 == 0):
         return None
-    openmp = _openmp((h,), None)
+    openmp = _openmp((h,), None)  # (AMX CPUs only: see swiglu_available)
     if openmp is None:
         return None
     rows, F = h.shape[0], h.shape[1] // 2
@@ -207,7 +223,7 @@ def swiglu_backward(
     rows, F = da.shape
     if not (_bf16(h, da) and _small_gemm.swiglu_backward_fits(h, da, weight)):
         return None
-    openmp = _openmp((h, da), None)
+    openmp = _openmp((h, da), None, swiglu=True)
     if openmp is None:
         return None
     if weight is not None:

@@ -1,4 +1,6 @@
-// float32 products of expert blocks on CPUs with AVX-512:
+// float32 products of expert blocks on CPUs with AVX-512 (and at the end, bf16 decode blocks
+// on CPUs with AVX512-BF16: the same register tiles with bf16 operands widened as they are
+// loaded and results rounded to bf16 as stored, and a forward on bf16 dot products):
 //
 //     forward          y[r, o] = sum_i x[r, i] * w[o, i]  (x·wᵀ: a block's rows through an
 //                                                         expert's weight w [O, I])
@@ -23,7 +25,8 @@
 // is mostly writing. The threads split c's rows.
 //
 // Built with the package's AVX2 flags; the code between push_options and pop_options is
-// compiled for AVX-512 and runs only where moe_ffn_avx512_ready() says the CPU and OS allow.
+// compiled for AVX-512 and runs only where moe_ffn_avx512_ready() says the CPU and OS allow
+// (its AVX512-BF16 part where moe_ffn_avx512_bf16_ready() does).
 
 #include <immintrin.h>
 
@@ -616,9 +619,108 @@ void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
   }
 }
 
+// Blocks of more rows: yᵀ = w·xᵀ as outer products, so that each of w's bf16 pairs is one
+// broadcast and the products of 32 rows of x come from two vectors. x's rows are packed a tile
+// of kPackRows at a time (pairs (x[r, 2p], x[r, 2p+1]) of the tile's rows side by side for
+// each p: a 32-bit transpose, into the thread's scratch); register tiles of 12 rows of w by the
+// tile's 32 rows of x (24 accumulators), each tile's whole sum over I in its registers, then
+// stored transposed through a small buffer. Every row tile of x passes over the thread's rows
+// of w (from the caches: w is read from memory once per 32 rows of x at most).
+constexpr int64_t kPackRows = 32;
+constexpr int kOuterCols = 12;  // rows of w per register tile
+
+template <int COLS>
+void outer_tile(const uint32_t* packed, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y, int64_t ldy,
+                int64_t rows) {
+  __m512 acc[COLS][2];
+  for (int j = 0; j < COLS; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(packed + q * kPackRows);
+    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(packed + q * kPackRows + 16);
+    for (int j = 0; j < COLS; ++j) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, w + j * ldw + 2 * q, 4);
+      const __m512bh w_j = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w_j, x0);
+      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], w_j, x1);
+    }
+  }
+  alignas(64) float sums[COLS][kPackRows];  // sums[j][r] = y[r, j]
+  for (int j = 0; j < COLS; ++j) {
+    _mm512_store_ps(sums[j], acc[j][0]);
+    _mm512_store_ps(sums[j] + 16, acc[j][1]);
+  }
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kPackRows));
+  const __mmask16 lanes = static_cast<__mmask16>((1u << COLS) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, column, &sums[0][r], 4);
+    _mm256_mask_storeu_epi16(y + r * ldy, lanes, round16(row));
+  }
+}
+
+// x's rows [r0, r0 + rows) (rows ≤ kPackRows) packed as above, tail rows zero.
+void pack_rows(const LinearBf16& p, int64_t r0, int64_t rows, uint32_t* packed) {
+  const int64_t pairs = p.in_features / 2;
+  const bf16_t* x = p.x + r0 * p.ldx;
+  for (int64_t q = 0; q < pairs; ++q) {  // (written in order, the tile's rows read side by side)
+    uint32_t* out = packed + q * kPackRows;
+    int64_t r = 0;
+    for (; r < rows; ++r) __builtin_memcpy(out + r, x + r * p.ldx + 2 * q, 4);
+    for (; r < kPackRows; ++r) out[r] = 0;
+  }
+}
+
+// w's rows [first, last) for every row of the block (in_features even): all of x's row tiles
+// packed first (the thread's scratch), then w's rows kChunkCols at a time (their pairs stay in
+// L2 while every row tile passes over them: w read from memory once); false where the scratch
+// could not be had.
+constexpr int64_t kChunkCols = 48;
+
+template <int COLS>
+void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int64_t o, int64_t r0, int64_t rows) {
+  outer_tile<COLS>(packed, pairs, p.w + o * p.ldw, p.ldw, p.y + r0 * p.ldy + o, p.ldy, rows);
+}
+
+bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
+  const int64_t pairs = p.in_features / 2, tiles = (p.rows + kPackRows - 1) / kPackRows;
+  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kPackRows * tiles));
+  if (packed == nullptr) return false;
+  for (int64_t t = 0; t < tiles; ++t)
+    pack_rows(p, t * kPackRows, std::min(kPackRows, p.rows - t * kPackRows), packed + t * pairs * kPackRows);
+  for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
+    const int64_t o1 = std::min(last, o0 + kChunkCols);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint32_t* tile = packed + t * pairs * kPackRows;
+      const int64_t r0 = t * kPackRows, rows = std::min(kPackRows, p.rows - r0);
+      int64_t o = o0;
+      for (; o + kOuterCols <= o1; o += kOuterCols) outer_tiles<kOuterCols>(tile, pairs, p, o, r0, rows);
+      switch (o1 - o) {
+        case 11: outer_tiles<11>(tile, pairs, p, o, r0, rows); break;
+        case 10: outer_tiles<10>(tile, pairs, p, o, r0, rows); break;
+        case 9: outer_tiles<9>(tile, pairs, p, o, r0, rows); break;
+        case 8: outer_tiles<8>(tile, pairs, p, o, r0, rows); break;
+        case 7: outer_tiles<7>(tile, pairs, p, o, r0, rows); break;
+        case 6: outer_tiles<6>(tile, pairs, p, o, r0, rows); break;
+        case 5: outer_tiles<5>(tile, pairs, p, o, r0, rows); break;
+        case 4: outer_tiles<4>(tile, pairs, p, o, r0, rows); break;
+        case 3: outer_tiles<3>(tile, pairs, p, o, r0, rows); break;
+        case 2: outer_tiles<2>(tile, pairs, p, o, r0, rows); break;
+        case 1: outer_tiles<1>(tile, pairs, p, o, r0, rows); break;
+        default: break;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
+
+// Blocks of up to kDotMaxRows rows take the dot-product tiles, larger ones (with an even I) the
+// outer products.
+constexpr int64_t kDotMaxRows = 16;
 
 // 1 where the bf16 forward below runs (AVX-512 F/BW/VL and AVX512_BF16, enabled by the OS).
 extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
@@ -632,6 +734,7 @@ extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, c
                                                  void* num_threads) {
   if (!bf16_ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
   if (!blocks_fit(blocks, count, experts, false)) return -1;
+  int failed = 0;  // (a thread's scratch not allocated: -1, y partly written)
   const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
   on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
     int64_t first, last;
@@ -639,8 +742,9 @@ extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, c
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
       const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
-      dot_range(p, first, last);
+      if (p.rows <= kDotMaxRows || in_features % 2) dot_range(p, first, last);
+      else if (!outer_range(p, first, last)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     }
   });
-  return 0;
+  return failed ? -1 : 0;
 }

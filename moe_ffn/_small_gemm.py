@@ -85,7 +85,10 @@ rows where torch's ops make two in the forward and seven in the backward (see th
 On CPUs with AVX-512 (where `ranges()` keeps the AVX2 kernel to decode-sized blocks), two
 float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–96 rows and forward
 products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `linear_blocks`
-for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's kernels.
+for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's
+kernels; on CPUs with AVX512-BF16 but no AMX, bf16 decode blocks go to _avx512.cpp's bf16
+entry points (`linear_blocks`, `bf16_input_grad_blocks`, `bf16_weight_grad_blocks`; numbers
+at BF16_BLOCKS_MAX_ROWS).
 
 Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
@@ -785,8 +788,14 @@ BF16_BLOCKS_MAX_ROWS = 8
 # above (GB/s of weight, torch's bf16 linear → the kernel; the AVX2 kernel that took 1–2-row
 # blocks there before in brackets): 1 row 17.7–19.9 → 35.1–42.7 (28.3–35.8), 2 rows 17.2–22.0 →
 # 31.1–35.4 (21.3–35.9), 4 rows 17.5–25.8 → 25.7–38.2, 8 rows 15.4–25.7 → 18.3–33.5, 16 rows
-# 14.5–21.3 → 15.0–23.5; level at 32 (10.8–14.8 against 11.1–14.8).
-BF16_FORWARD_MAX_ROWS = 16
+# 14.5–21.3 → 15.0–23.5 (dot products along I); past 16 rows the kernel's outer products over
+# packed 32-row tiles of x (GFLOP/s, two runs): 32 rows 283–493 → 340–685, 64 rows 437–658 →
+# 484–781, 128 rows 417–763 → 600–806, 256 rows 428–848 → 689–811, 512 rows 582–850 → 747–830,
+# behind only through Mixtral's down projection (1024×3584) from 256 rows (762–850 against
+# 749–805; the bf16 GEMM probe reads 885–896 here). In the layer, forward, interleaved A/B in
+# one process against the kernel to 16 rows and torch past them (9 rounds): Mixtral T = 256 /
+# 2048 1.07 / 1.35×, fine 1.43 / 1.06×; forward+backward (5 rounds) 0.97–1.08× (noise).
+BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
 
 
@@ -817,9 +826,11 @@ def _bf16_blocks_entry_points():
     return input_grad, weight_grad, linear
 
 
-def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]]) -> bool:
-    """Whether `linear_blocks` takes these bf16 blocks on the AVX512-BF16 forward kernel."""
-    return bool(blocks) and _bf16_blocks_entry_points() is not None and _rows_fit(blocks, BF16_FORWARD_MAX_ROWS)
+def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
+    """Whether `linear_blocks` takes these bf16 blocks on the AVX512-BF16 forward kernel (each
+    of 1 to `most` rows, at most BF16_FORWARD_MAX_ROWS)."""
+    most = BF16_FORWARD_MAX_ROWS if most is None else min(most, BF16_FORWARD_MAX_ROWS)
+    return bool(blocks) and _bf16_blocks_entry_points() is not None and _rows_fit(blocks, most)
 
 
 def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumulate=None, most=BF16_BLOCKS_MAX_ROWS):

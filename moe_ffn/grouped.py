@@ -62,6 +62,10 @@ __all__ = ["grouped_linear", "grouped_ffn", "routed_ffn"]
 # (Upcasting in cache-sized slices into a reused buffer instead of the whole weight block was
 # 2–4× faster in isolation at 16–64 rows but no faster inside the layer: tried and dropped.)
 _NATIVE_LOWP_MAX_ROWS = 8
+# Blocks up to this many rows make a decode step on AVX512-BF16 CPUs without AMX: one kernel
+# call per projection over the whole step (_decode_projection), where larger ones take the
+# grouped path's bounded pieces (their products on the same kernel, `linear_blocks`).
+_BF16_DECODE_ROWS = 16
 
 # float32 products with at most this many rows go to oneDNN's inner product instead of the
 # BLAS sgemm behind torch.mm: measured on the 2-core AVX2 EPYC with MKL, oneDNN is 1.5–4×
@@ -813,7 +817,7 @@ def _decode_projection(
         # projections, the per-block loop on it is faster still (forward, 11 interleaved rounds,
         # against torch's grouped GEMM, T = 16: Mixtral 11.47 → 7.99 ms, fine 14.91 → 10.30;
         # forward+backward fine 58.2 → 51.6): no decode path then.
-        if not with_bias and _small_gemm.bf16_forward_blocks_fit(blocks):
+        if not with_bias and _small_gemm.bf16_forward_blocks_fit(blocks, most=_BF16_DECODE_ROWS):
             # AVX512-BF16 CPUs without AMX: every block in one call per projection on bf16 dot
             # products (_small_gemm.BF16_FORWARD_MAX_ROWS says how much faster per product)
             return functools.partial(_kernel_blocks, blocks=blocks)

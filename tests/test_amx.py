@@ -23,6 +23,21 @@ def _needs_amx():
         pytest.skip("no AMX kernel here: the CPU lacks AMX/AVX-512, or the kernel is not built or switched off")
 
 
+def _needs_swiglu():
+    if not _amx.swiglu_available():
+        pytest.skip("no bf16 SwiGLU passes here: the CPU lacks AVX-512, or the kernel is not built or switched off")
+
+
+def test_bf16_swiglu_runs_where_the_cpu_has_avx512():
+    """The bf16 SwiGLU passes need AVX-512 only: where torch reports AVX512 and the library is
+    built they must run, with or without AMX."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("torch does not run AVX-512 kernels on this CPU")
+    if _small_gemm.library() is None or _small_gemm.torch_openmp() is None:
+        pytest.skip("the kernel library is not built or cannot run here (test_small_gemm says why)")
+    assert _amx.swiglu_available()
+
+
 def test_amx_runs_where_the_cpu_has_it():
     """Where torch reports AMX tiles and AVX-512 and the library is built, the kernel must run:
     a refusal of the tile state or a build without the AMX part must not pass unnoticed."""
@@ -189,7 +204,7 @@ def test_bf16_swiglu_kernels_are_torchs_bf16_ops(rows, F, scaled):
     with torch's own bf16 ops (silu, products, the sum, silu_backward, the weight cast to bf16),
     each rounding to bf16: bit for bit but for elements where our e^x and torch's land on two
     sides of a rounding boundary (at most one bf16 unit apart there, and rare)."""
-    _needs_amx()
+    _needs_swiglu()
     torch.manual_seed(rows + F)
     h, da = (torch.randn(rows + 1, 2 * F + 3)[1:, 2 : 2 * F + 2] * 4).bfloat16(), torch.randn(rows, F + 5)[:, 3 : F + 3].bfloat16()
     weight = torch.rand(rows) + 0.5 if scaled else None
@@ -199,11 +214,13 @@ def test_bf16_swiglu_kernels_are_torchs_bf16_ops(rows, F, scaled):
     dweight_ops = (a_ops * da).sum(-1)
     dav = da if weight is None else da * weight[:, None].bfloat16()
     dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * up, gate), dav * act], dim=-1)
-    a = _amx.swiglu(h)
     a2, dh, dweight = _amx.swiglu_backward(h, da, weight, True, True)
-    assert a.dtype == dh.dtype == torch.bfloat16 and dweight.dtype == torch.float32
-    assert torch.equal(a.view(torch.int16), a2.view(torch.int16))
-    for got, want in ((a, a_ops), (dh, dh_ops)):
+    a = _amx.swiglu(h)  # the forward pass: on AMX CPUs only (_amx.swiglu_available says why)
+    assert (a is None) == (not _amx.available())
+    assert a2.dtype == dh.dtype == torch.bfloat16 and dweight.dtype == torch.float32
+    if a is not None:
+        assert torch.equal(a.view(torch.int16), a2.view(torch.int16))
+    for got, want in ((a2, a_ops), (dh, dh_ops)):
         ulps = _bf16_ulps(got, want)
         assert ulps.max() <= 2 and (ulps > 0).float().mean() <= 0.02
     # the sum runs in another order than torch's: within its float32 bound, then one rounding
@@ -213,12 +230,14 @@ def test_bf16_swiglu_kernels_are_torchs_bf16_ops(rows, F, scaled):
 
 
 def test_bf16_swiglu_kernels_pass_nan_through_and_decline_what_they_do_not_take():
-    _needs_amx()
+    _needs_swiglu()
     h, da = torch.ones(2, 32, dtype=bf16), torch.ones(2, 16, dtype=bf16)
     h[0, 3] = float("nan")  # a gate
     h[1, 16 + 5] = float("nan")  # an up
-    assert _amx.swiglu(h).isnan().nonzero().tolist() == [[0, 3], [1, 5]]
-    _, dh, dweight = _amx.swiglu_backward(h, da, None, False, True)
+    a, dh, dweight = _amx.swiglu_backward(h, da, None, True, True)
+    assert a.isnan().nonzero().tolist() == [[0, 3], [1, 5]]
+    if _amx.available():  # (the forward pass: AMX CPUs only)
+        assert _amx.swiglu(h).isnan().nonzero().tolist() == [[0, 3], [1, 5]]
     assert dh[0, [3, 16 + 3]].isnan().all() and dh[1, 5].isnan() and dweight.isnan().all() and dh.isnan().sum() == 3
     assert _amx.swiglu(h.float()) is None and _amx.swiglu(h[:, :31]) is None
     assert _amx.swiglu_backward(h, da.float(), None, True, True) is None  # mixed dtypes

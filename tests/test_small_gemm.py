@@ -820,6 +820,27 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
     assert torch.equal(single[used], out[used])
 
 
+@pytest.mark.parametrize("shape", [(1, 2), (7, 50), (13, 100), (31, 40), (100, 78), (1040, 64), (40, 3584), (7, 33)])
+def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
+    """Blocks past 16 rows (an even I): outer products over packed tiles of 32 rows (one tile
+    part full, several tiles, one row past a tile), register tiles of 12 of w's rows and
+    their tails, w's rows 48 at a time; an odd I (7, 33): the dot-product tiles. Into a slice
+    of a wider tensor, rows between blocks untouched."""
+    _needs_bf16_blocks()
+    O, I = shape
+    blocks = [(1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 153)]
+    torch.manual_seed(3)
+    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(153, I).bfloat16()
+    wide = torch.full((153, O + 5), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 1 : O + 1]
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
+    for e, start, stop in blocks:
+        exact = x[start:stop].double() @ w[e].double().t()
+        bound = _bound(x[start:stop].double().abs(), w[e].double().abs().t(), I)
+        _bf16_within_one_rounding(out[start:stop], exact, bound)
+    assert wide[50].isnan().all() and wide[:, 0].isnan().all() and wide[:, O + 1 :].isnan().all()
+
+
 def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
     """Sums exactly halfway between two bf16 values: 1 + 2^-8 rounds down to 1 (even), (1 +
     2^-7) + 2^-8 up to 1 + 2^-6 (even), as torch rounds; inf - inf (x86's NaN, 0xFFC00000)
@@ -895,6 +916,7 @@ def _avx2_kernels(monkeypatch):
     torch's choices would take some of these products first; they are tested on their own)."""
     monkeypatch.setattr(_small_gemm, "AVX512_FORWARD_ROWS", (1, 0))
     monkeypatch.setattr(_small_gemm, "_torch_on_avx512", lambda: False)
+    monkeypatch.setattr(_small_gemm, "_bf16_blocks_entry_points", lambda: None)  # (AVX512-BF16's)
 
 
 def _per_block(monkeypatch):
