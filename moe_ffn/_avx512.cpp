@@ -714,6 +714,120 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
   return true;
 }
 
+// ---- bf16 input gradients y = g·w of blocks past a few rows ----------------------------------
+//
+// The sum runs over w's rows, so w is the operand that goes in pairs: a panel of kGradPanel
+// columns by kGradDepth rows of w at a time is interleaved two rows by two (pairs (w[o, c],
+// w[o + 1, c]) in column order: unpacklo/hi, then put in order) into the thread's scratch,
+// 32 KiB that stay in L1 while every row tile of g passes over them: 6 rows of g by the
+// panel's 64 columns (24 accumulators), each of g's pairs (g[r, o], g[r, o + 1]) one broadcast
+// straight from g's row. The partial sums of a row tile are carried from depth chunk to depth
+// chunk in a float32 buffer (the thread's scratch too) and rounded to bf16 once, after the
+// last. w is read once; g's rows once per panel.
+constexpr int64_t kGradPanel = 64;
+constexpr int64_t kGradDepth = 256;  // rows of w per chunk (even)
+
+struct InputGradBf16 {
+  const bf16_t* g;  // [rows, O], rows ldg apart
+  int64_t ldg;
+  const bf16_t* w;  // [O, I], rows ldw apart
+  int64_t ldw;
+  bf16_t* y;  // [rows, I], rows ldy apart
+  int64_t ldy;
+  int64_t rows, out_features;  // (O even)
+};
+
+// w's rows [o0, o0 + depth) by columns [q, q + cols) (cols ≤ kGradPanel; the rest zero) as
+// pairs: panel[p·kGradPanel + c] = (w[o0 + 2p, q + c], w[o0 + 2p + 1, q + c]).
+void pack_grad_panel(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, uint32_t* panel) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t pr = 0; pr < depth / 2; ++pr) {
+    const bf16_t* even = p.w + (o0 + 2 * pr) * p.ldw + q;
+    const bf16_t* odd = even + p.ldw;
+    uint32_t* out = panel + pr * kGradPanel;
+    for (int64_t h = 0; h < kGradPanel; h += 32) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, cols - h));
+      const __mmask32 lanes = static_cast<__mmask32>(n == 32 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + h), b = _mm512_maskz_loadu_epi16(lanes, odd + h);
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+      _mm512_storeu_si512(out + h, _mm512_permutex2var_epi32(lo, first, hi));
+      _mm512_storeu_si512(out + h + 16, _mm512_permutex2var_epi32(lo, second, hi));
+    }
+  }
+}
+
+// ROWS rows of g from r over one chunk [o0, o0 + depth) of the panel; `sums` [rows][kGradPanel]
+// float32 carried between chunks (FIRST: not read; LAST: the results rounded into y's columns
+// [q, q + cols) instead of written back).
+template <int ROWS, bool FIRST, bool LAST>
+void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t o0, int64_t depth, int64_t q,
+               int64_t cols, float* sums) {
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r + i) * kGradPanel + 16 * j);
+  const bf16_t* g = p.g + r * p.ldg + o0;
+  for (int64_t pr = 0; pr < depth / 2; ++pr) {
+    __m512bh w_p[4];
+    for (int j = 0; j < 4; ++j) w_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
+    for (int i = 0; i < ROWS; ++i) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, g + i * p.ldg + 2 * pr, 4);
+      const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    if (!LAST) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + (r + i) * kGradPanel + 16 * j, acc[i][j]);
+      continue;
+    }
+    bf16_t* y = p.y + (r + i) * p.ldy + q;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+      if (n == 16) store16<false>(y + 16 * j, acc[i][j]);
+      else if (n > 0) store16(y + 16 * j, acc[i][j], static_cast<__mmask16>((1u << n) - 1));
+    }
+  }
+}
+
+template <bool FIRST, bool LAST>
+void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_t depth, int64_t q, int64_t cols,
+               float* sums) {
+  int64_t r = 0;
+  for (; r + 6 <= p.rows; r += 6) grad_tile<6, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums);
+  switch (p.rows - r) {
+    case 5: grad_tile<5, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
+    case 4: grad_tile<4, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
+    case 3: grad_tile<3, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
+    case 2: grad_tile<2, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
+    case 1: grad_tile<1, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
+    default: break;
+  }
+}
+
+// y's columns [first, last); false where the scratch could not be had.
+bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
+  const int64_t panel_words = kGradDepth / 2 * kGradPanel;
+  auto* scratch = static_cast<uint32_t*>(
+      moe_ffn_team::thread_scratch(sizeof(uint32_t) * panel_words + sizeof(float) * p.rows * kGradPanel));
+  if (scratch == nullptr) return false;
+  float* sums = reinterpret_cast<float*>(scratch + panel_words);
+  for (int64_t q = first; q < last; q += kGradPanel) {
+    const int64_t cols = std::min(kGradPanel, last - q);
+    for (int64_t o0 = 0; o0 < p.out_features; o0 += kGradDepth) {
+      const int64_t depth = std::min(kGradDepth, p.out_features - o0);
+      const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.out_features;
+      pack_grad_panel(p, o0, depth, q, cols, scratch);
+      if (first_chunk && last_chunk) grad_rows<true, true>(p, scratch, o0, depth, q, cols, sums);
+      else if (first_chunk) grad_rows<true, false>(p, scratch, o0, depth, q, cols, sums);
+      else if (last_chunk) grad_rows<false, true>(p, scratch, o0, depth, q, cols, sums);
+      else grad_rows<false, false>(p, scratch, o0, depth, q, cols, sums);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -744,6 +858,33 @@ extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, c
       const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
       if (p.rows <= kDotMaxRows || in_features % 2) dot_range(p, first, last);
       else if (!outer_range(p, first, last)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    }
+  });
+  return failed ? -1 : 0;
+}
+
+// Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (O even),
+// y [rows, I] on bf16 pair products over packed panels of w (see InputGradBf16; table and
+// checks as above): the threads split y's columns (kGradPanel at a time), each taking its
+// share of every block. -1 where the CPU lacks AVX512_BF16, O is odd, or a thread's scratch
+// could not be had (then y may be partly written).
+extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int64_t ldg, const bf16_t* w,
+                                                            int64_t experts, int64_t w_expert, int64_t ldw, bf16_t* y,
+                                                            int64_t ldy, const int64_t* blocks, int64_t count,
+                                                            int64_t out_features, int64_t in_features, int threads,
+                                                            void* parallel, void* thread_num, void* num_threads) {
+  if (!bf16_ready() || count < 0 || out_features < 2 || out_features % 2 || in_features < 0 || threads < 1) return -1;
+  if (!blocks_fit(blocks, count, experts, false)) return -1;
+  int failed = 0;
+  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / kGradPanel));
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(in_features, kGradPanel, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
+      const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start,
+                            out_features};
+      if (p.rows > 0 && first < last && !grad_range(p, first, last)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     }
   });
   return failed ? -1 : 0;

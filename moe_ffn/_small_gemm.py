@@ -784,6 +784,25 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
 # 10.2–20.8). The kernels' float32 FMAs run out of issue slots from about 8 rows, where bf16
 # dot-product instructions would double the rate (not written).
 BF16_BLOCKS_MAX_ROWS = 8
+# Input gradients of more rows through weights of at most 2^20 elements (the fine-grained
+# experts'): panels of 64 columns by 256 rows of the weight interleaved in bf16 pairs (L1),
+# 6×64 register tiles on bf16 dot products, partial sums carried in float32 from panel to panel
+# (`bf16_input_grad_blocks`). Per product, 8 weights in turn, 7 rounds, GFLOP/s torch → kernel:
+# 1024×1024 and 1024×512 at 16 rows 161–181 → 202–210, 32 rows 268–296 → 332–346, 64 rows
+# 418–465 → 495–509, 128 rows 565–620 → 640–653, 512 rows 668–776 → 809–863; through Mixtral's
+# weights level or behind (1024×3584 1.02–1.10×, 7168×1024 0.95–1.03×), and in the layer there
+# behind (Mixtral bf16 forward+backward T = 64 / 256 0.98 / 0.94×, 7 rounds), hence the bound;
+# fine-grained T = 64 / 256 / 2048 1.02 / 1.08 / 1.04× (with the bound: 1.07 / 1.09 / 1.04×,
+# Mixtral level, 0.99–1.01×).
+BF16_INPUT_GRAD_MAX_ROWS = 512
+BF16_INPUT_GRAD_PACKED_WEIGHT = 1 << 20
+
+
+def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
+    """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]."""
+    E, O, I = w_EOI.shape
+    packed = O % 2 == 0 and O * I <= BF16_INPUT_GRAD_PACKED_WEIGHT
+    return BF16_INPUT_GRAD_MAX_ROWS if packed else BF16_BLOCKS_MAX_ROWS
 # The forward x·Wᵀ on AVX512-BF16's dot-product instruction (`linear_blocks`), per product as
 # above (GB/s of weight, torch's bf16 linear → the kernel; the AVX2 kernel that took 1–2-row
 # blocks there before in brackets): 1 row 17.7–19.9 → 35.1–42.7 (28.3–35.8), 2 rows 17.2–22.0 →
@@ -813,6 +832,7 @@ def _bf16_blocks_entry_points():
     try:
         input_grad, weight_grad = lib.moe_ffn_avx512_input_grad_blocks_bf16, lib.moe_ffn_avx512_weight_grad_blocks_bf16
         ready, linear = lib.moe_ffn_avx512_bf16_ready, lib.moe_ffn_avx512_linear_blocks_bf16
+        input_grad_packed = lib.moe_ffn_avx512_input_grad_blocks_bf16_packed
     except AttributeError:
         return None
     ready.restype = ctypes.c_int
@@ -820,10 +840,11 @@ def _bf16_blocks_entry_points():
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     team = [c_int, ptr, ptr, ptr]
-    input_grad.argtypes = linear.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    blocks_args = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
-    input_grad.restype = weight_grad.restype = linear.restype = c_int
-    return input_grad, weight_grad, linear
+    input_grad.restype = weight_grad.restype = linear.restype = input_grad_packed.restype = c_int
+    return input_grad, weight_grad, linear, input_grad_packed
 
 
 def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
@@ -848,21 +869,33 @@ def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumul
 
 
 def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
-    """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop), all bf16, in one
-    call, each result rounded to bf16 once (see BF16_BLOCKS_MAX_ROWS); returns whether it ran
-    (when False, `out` is untouched)."""
-    found = _bf16_blocks_kernel((g,), out, blocks) if w_EOI.dim() == 3 and w_EOI.stride(2) == 1 else None
-    if found is None or not _writable_rows(out):
+    """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop), all bf16, each
+    result rounded to bf16 once: blocks of 1 to BF16_BLOCKS_MAX_ROWS rows in one call of the
+    widening kernel, larger ones to `bf16_input_grad_max_rows(w_EOI)` in one call of the
+    packed-panel kernel; returns whether it ran (when False, `out` is untouched)."""
+    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and blocks):
         return False
     E, O, I = w_EOI.shape
+    small = [b for b in blocks if b[2] - b[1] <= BF16_BLOCKS_MAX_ROWS]
+    large = [b for b in blocks if b[2] - b[1] > BF16_BLOCKS_MAX_ROWS]
+    found = _bf16_blocks_kernel((g,), out, blocks, most=bf16_input_grad_max_rows(w_EOI))
+    if found is None or not _writable_rows(out):
+        return False
     if g.shape[1] != O or out.shape != (g.shape[0], I):
         raise ValueError(f"bf16_input_grad_blocks: g {tuple(g.shape)} through w {tuple(w_EOI.shape)} into {tuple(out.shape)} do not fit")
     _check_blocks("bf16_input_grad_blocks", blocks, g.shape[0], E, f"{tuple(g.shape)}, w {tuple(w_EOI.shape)}")
-    g32 = g.float()  # (a few rows: broadcast from float32, not widened once per use)
-    _blocks_call(
-        found[0][0], blocks, [False] * len(blocks), g32.data_ptr(), g32.stride(0), w_EOI.data_ptr(), E,
-        w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0), O, I, torch.get_num_threads(), *found[1],
-    )
+    weight = (w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1))
+    if small:
+        g32 = g.float()  # (a few rows: broadcast from float32, not widened once per use)
+        _blocks_call(
+            found[0][0], small, [False] * len(small), g32.data_ptr(), g32.stride(0), *weight, out.data_ptr(),
+            out.stride(0), O, I, torch.get_num_threads(), *found[1],
+        )
+    if large:
+        _blocks_call(
+            found[0][3], large, [False] * len(large), g.data_ptr(), g.stride(0), *weight, out.data_ptr(),
+            out.stride(0), O, I, torch.get_num_threads(), *found[1],
+        )
     return True
 
 

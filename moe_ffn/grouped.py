@@ -989,9 +989,9 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     return out, h_NH
 
 
-def _kernel_subset(blocks: list) -> list[bool]:
-    """Which of the blocks the bf16 decode kernels take (1 to BF16_BLOCKS_MAX_ROWS rows)."""
-    return [stop - start <= _small_gemm.BF16_BLOCKS_MAX_ROWS for _, start, stop in blocks]
+def _kernel_subset(blocks: list, most: int = _small_gemm.BF16_BLOCKS_MAX_ROWS) -> list[bool]:
+    """Which of the blocks the bf16 kernels take (1 to `most` rows)."""
+    return [stop - start <= most for _, start, stop in blocks]
 
 
 def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> list[bool]:
@@ -1000,7 +1000,7 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
     computes the rest."""
     if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks):
         return [True] * len(blocks)
-    small = _kernel_subset(blocks)
+    small = _kernel_subset(blocks, _small_gemm.bf16_input_grad_max_rows(w_EOI))
     if any(small) and _small_gemm.bf16_input_grad_blocks(out, g, w_EOI, [b for b, s in zip(blocks, small) if s]):
         return small
     return [False] * len(blocks)

@@ -841,6 +841,38 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
     assert wide[50].isnan().all() and wide[:, 0].isnan().all() and wide[:, O + 1 :].isnan().all()
 
 
+@pytest.mark.parametrize("shape", [(2, 1), (14, 70), (100, 64), (256, 90), (258, 33), (1024, 512), (600, 1000)])
+def test_bf16_input_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
+    """Blocks past BF16_BLOCKS_MAX_ROWS on the packed-panel kernel (with a small block on the
+    widening one in the same call): tiles of 6 rows and their tails, panels of 64 columns and
+    the last part-full one, the sum over O in chunks of 256 rows carried in float32 (O = 258,
+    600, 1024) or in one (O ≤ 256); into a slice of a wider tensor, rows between blocks and the
+    margins untouched; one thread gives the same."""
+    _needs_bf16_blocks()
+    O, I = shape
+    blocks = [(1, 0, 9), (0, 9, 12), (2, 13, 50), (1, 50, 137)]
+    torch.manual_seed(4)
+    w, g = torch.randn(3, O, I).bfloat16(), torch.randn(137, O).bfloat16()
+    wide = torch.full((137, I + 6), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 3 : I + 3]
+    assert _small_gemm.bf16_input_grad_blocks(out, g, w, blocks)
+    for e, start, stop in blocks:
+        exact = g[start:stop].double() @ w[e].double()
+        bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), O)
+        _bf16_within_one_rounding(out[start:stop], exact, bound)
+    assert wide[12].isnan().all() and wide[:, :3].isnan().all() and wide[:, I + 3 :].isnan().all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = torch.empty_like(out)
+        assert _small_gemm.bf16_input_grad_blocks(single, g, w, blocks)
+    finally:
+        torch.set_num_threads(threads)
+    used = torch.ones(137, dtype=torch.bool)
+    used[12] = False
+    assert torch.equal(single[used], out[used])
+
+
 def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
     """Sums exactly halfway between two bf16 values: 1 + 2^-8 rounds down to 1 (even), (1 +
     2^-7) + 2^-8 up to 1 + 2^-6 (even), as torch rounds; inf - inf (x86's NaN, 0xFFC00000)
@@ -869,8 +901,17 @@ def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     w = torch.randn(2, 24, 40).bfloat16()
     g = torch.randn(most + 1, 24).bfloat16()
     out = torch.full((most + 1, 40), 7.0, dtype=torch.bfloat16)
-    assert not _small_gemm.bf16_input_grad_blocks(out, g, w, [(0, 0, most + 1)])
+    assert not _small_gemm.bf16_input_grad_blocks(out, g[:, :23], w[:, :23], [(0, 0, most + 1)])  # odd O past `most` rows
+    big = _small_gemm.BF16_INPUT_GRAD_MAX_ROWS + 1  # (rows 1 to big + 1: one row past the most)
+    assert not _small_gemm.bf16_input_grad_blocks(
+        torch.empty(big + 1, 40, dtype=torch.bfloat16), torch.randn(big + 1, 24).bfloat16(), w, [(0, 0, 1), (1, 1, big + 1)]
+    )
     assert not _small_gemm.bf16_input_grad_blocks(out.float(), g.float(), w.float(), [(0, 0, 1)])
+    wide_w = torch.zeros(1, 1026, 1024, dtype=torch.bfloat16)  # past BF16_INPUT_GRAD_PACKED_WEIGHT: 8 rows at most
+    assert not _small_gemm.bf16_input_grad_blocks(
+        torch.full((most + 1, 1024), 7.0, dtype=torch.bfloat16), torch.randn(most + 1, 1026).bfloat16(), wide_w,
+        [(0, 0, most + 1)],
+    )
     grads = torch.full((2, 24, 40), 7.0, dtype=torch.bfloat16)
     x = torch.randn(most + 1, 40).bfloat16()
     assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, most + 1)], [False])
