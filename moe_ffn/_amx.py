@@ -32,7 +32,9 @@ Used by grouped.py for bf16 experts on CPU where `available()`: forward products
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every
 tensor is a bf16 CPU tensor with contiguous rows and the shapes fit the tiles (the weight's
 dims multiples of 32, or 16 for the forward's out-features). Everything else stays on torch's
-kernels (or `_small_gemm`'s). Numerics: float32 sums of exact bf16 products (in another order
+kernels (or `_small_gemm`'s; on CPUs with AVX512-BF16 and no AMX, `_small_gemm`'s bf16 blocks
+entry points, and this module's SwiGLU backward pass, which needs AVX-512 only:
+`swiglu_available`). Numerics: float32 sums of exact bf16 products (in another order
 than oneDNN's; denormal inputs flushed as AMX does, as oneDNN's AMX kernels do), each result
 rounded to bf16 once, to nearest even as torch rounds.
 

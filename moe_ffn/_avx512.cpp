@@ -339,7 +339,7 @@ void linear_range(const Linear& p, int64_t first, int64_t last) {
   }
 }
 
-// bf16 c = a·b (a [m, k]) for a few rows m: c's columns [first, last_column), every row, each
+// bf16 c = a·b (a [m, k], float32) for a few rows m: c's columns [first, last_column), every row, each
 // tile's whole sum over k in its registers (a bf16 c is rounded once; no passes over k, whose
 // partial sums would be added to c). With m ≤ 6 every element of b is read once.
 template <typename P>
@@ -454,8 +454,9 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
 // ---- bf16: a decode step's blocks (grouped.py's bf16 layers where the CPU has bf16 units) ----
 //
 // The int64 table blocks[4i .. 4i+3] = (expert, start, stop, accumulate) as above; every block is
-// checked before any is computed (-1: nothing written). bf16 operands are widened exactly and
-// their products summed in float32 FMAs; each result rounded to bf16 once, to nearest even.
+// checked before any is computed (-1: nothing written). In the two entry points right below,
+// bf16 operands are widened exactly and their products summed in float32 FMAs; in all of them
+// each result is rounded to bf16 once, to nearest even.
 
 namespace {
 
@@ -469,9 +470,10 @@ bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts, bool accu
 
 }  // namespace
 
-// Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (expert e's
-// weight at w + e·w_expert, rows ldw apart), y [rows, I]: the threads split y's columns (64 at a
-// time), each taking its share of every block, each block's whole sum over O in registers.
+// Input gradients y[start:stop] = g[start:stop]·w_e for float32 g [rows, O] (the bf16 gradient's
+// rows widened by the caller: each value is broadcast), bf16 w_e [O, I] (expert e's weight at
+// w + e·w_expert, rows ldw apart) and y [rows, I]: the threads split y's columns (64 at a time),
+// each taking its share of every block, each block's whole sum over O in registers.
 extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg, const bf16_t* w, int64_t experts,
                                                      int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy,
                                                      const int64_t* blocks, int64_t count, int64_t out_features,
@@ -493,9 +495,9 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg
   return 0;
 }
 
-// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for bf16 a [rows, m], b [rows, n] into
-// expert e's bf16 gradient c_e [m, n] (at c + e·c_expert, rows ldc apart), written over (no
-// block may accumulate); with `stream` c's whole 32-byte pieces go past the caches (c and
+// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the
+// caller, as above), bf16 b [rows, n] into expert e's bf16 gradient c_e [m, n] (at c +
+// e·c_expert, rows ldc apart), written over (no block may accumulate); with `stream` c's whole 32-byte pieces go past the caches (c and
 // ldc·2 multiples of 32 bytes). The threads split c's rows, each taking its share of every block.
 extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t lda, const bf16_t* b, int64_t ldb,
                                                       bf16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,

@@ -86,9 +86,10 @@ On CPUs with AVX-512 (where `ranges()` keeps the AVX2 kernel to decode-sized blo
 float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–96 rows and forward
 products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `linear_blocks`
 for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's
-kernels; on CPUs with AVX512-BF16 but no AMX, bf16 decode blocks go to _avx512.cpp's bf16
-entry points (`linear_blocks`, `bf16_input_grad_blocks`, `bf16_weight_grad_blocks`; numbers
-at BF16_BLOCKS_MAX_ROWS).
+kernels; on CPUs with AVX512-BF16 but no AMX, bf16 blocks go to _avx512.cpp's bf16 entry
+points: forward products of 1–1024 rows (`linear_blocks`), input gradients of 1–8 rows and,
+through fine-grained weights, to 512 (`bf16_input_grad_blocks`), weight gradients of 1–8
+rows (`bf16_weight_grad_blocks`); numbers at BF16_BLOCKS_MAX_ROWS and the constants after it.
 
 Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
@@ -803,6 +804,8 @@ def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
     E, O, I = w_EOI.shape
     packed = O % 2 == 0 and O * I <= BF16_INPUT_GRAD_PACKED_WEIGHT
     return BF16_INPUT_GRAD_MAX_ROWS if packed else BF16_BLOCKS_MAX_ROWS
+
+
 # The forward x·Wᵀ on AVX512-BF16's dot-product instruction (`linear_blocks`), per product as
 # above (GB/s of weight, torch's bf16 linear → the kernel; the AVX2 kernel that took 1–2-row
 # blocks there before in brackets): 1 row 17.7–19.9 → 35.1–42.7 (28.3–35.8), 2 rows 17.2–22.0 →
@@ -820,9 +823,9 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 
 @functools.lru_cache(maxsize=None)
 def _bf16_blocks_entry_points():
-    """(input gradient, weight gradient) bf16 blocks entry points where they run: torch at
-    AVX512 on a CPU with AVX512-BF16 and no AMX (AMX CPUs: _amx's kernels), the AVX-512 kernels
-    built and ready; else None."""
+    """The bf16 blocks entry points (input gradient, weight gradient, forward, input gradient on
+    packed panels) where they run: torch at AVX512 on a CPU with AVX512-BF16 and no AMX (AMX
+    CPUs: _amx's kernels), the AVX-512 kernels built and ready; else None."""
     if not (
         _torch_on_avx512() and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
         and _avx512_entry_points() is not None

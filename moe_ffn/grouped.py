@@ -995,9 +995,9 @@ def _kernel_subset(blocks: list, most: int = _small_gemm.BF16_BLOCKS_MAX_ROWS) -
 
 
 def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> list[bool]:
-    """The blocks' input gradients g·w_e that a kernel wrote into `out` in one call (AVX2: all
-    or none; bf16 decode kernels: the blocks of a few rows), as one flag per block; the caller
-    computes the rest."""
+    """The blocks' input gradients g·w_e that a kernel wrote into `out` (AVX2: all or none, one
+    call; AVX512-BF16: the bf16 blocks of up to `_small_gemm.bf16_input_grad_max_rows` rows, one
+    call per kernel), as one flag per block; the caller computes the rest."""
     if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks):
         return [True] * len(blocks)
     small = _kernel_subset(blocks, _small_gemm.bf16_input_grad_max_rows(w_EOI))
@@ -1007,8 +1007,9 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
 
 
 def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
-    """The same for the blocks' weight gradients a·ᵀb into out_EMN[e] (`again`: the block adds to
-    its expert's first piece)."""
+    """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (AVX512-BF16: bf16 blocks
+    of up to BF16_BLOCKS_MAX_ROWS rows; `again`: the block adds to its expert's first piece,
+    which the bf16 kernel does not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
     small = [s and not add for s, add in zip(_kernel_subset(blocks), again)]
