@@ -88,6 +88,8 @@ struct Out {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")
 
+#include "_bf16x16.h"  // to_bf16
+
 namespace {
 
 struct alignas(64) TileConfig {
@@ -151,15 +153,6 @@ inline void interleave(__m512i r0, __m512i r1, __m512i* lo, __m512i* hi) {
 inline __m512i load_row(const uint16_t* at, int64_t n, bool present) {
   if (!present) return _mm512_setzero_si512();
   return n >= 32 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), at);
-}
-
-// 16 float32 rounded to bf16, nearest even, NaN as the quiet NaN 0x7FC0 (torch's rounding).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
 }
 
 inline __m512 from_bf16(const uint16_t* at) {  // exact: a bf16 is the top half of its float32

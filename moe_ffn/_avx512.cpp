@@ -68,6 +68,8 @@ using WeightGrad = WeightGradOf<float, float, float>;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
+#include "_bf16x16.h"  // to_bf16
+
 namespace {
 
 // ROWS rows of c from row r, VECS vectors of 16 columns from column q; with MASKED the last
@@ -85,15 +87,6 @@ inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(
 inline __m512 load16(const bf16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const bf16_t* p, __mmask16 lanes) { return widen16(_mm256_maskz_loadu_epi16(lanes, p)); }
 
-// float32 → bf16 bits, to nearest even (NaN → the quiet NaN 0x7FC0), as c10's round_to_nearest_even.
-inline __m256i round16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // STREAM: `at` 64-byte aligned (float) or 32-byte aligned (bf16).
 template <bool STREAM>
 inline void store16(float* at, __m512 v) {
@@ -102,11 +95,11 @@ inline void store16(float* at, __m512 v) {
 }
 template <bool STREAM>
 inline void store16(bf16_t* at, __m512 v) {
-  if (STREAM) _mm256_stream_si256(reinterpret_cast<__m256i*>(at), round16(v));
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), round16(v));
+  if (STREAM) _mm256_stream_si256(reinterpret_cast<__m256i*>(at), to_bf16(v));
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), to_bf16(v));
 }
 inline void store16(float* at, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(at, lanes, v); }
-inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_epi16(at, lanes, round16(v)); }
+inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_epi16(at, lanes, to_bf16(v)); }
 
 template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, typename TA,
           typename TB, typename TC>
@@ -251,15 +244,17 @@ void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t 
 
 // ---- forward ---------------------------------------------------------------------------------
 
-struct Linear {
-  const float* x;  // [rows, I], rows ldx apart
+template <typename T>  // float, or bf16_t (the AVX512-BF16 forward below)
+struct LinearOf {
+  const T* x;  // [rows, I], rows ldx apart
   int64_t ldx;
-  const float* w;  // [O, I], rows ldw apart
+  const T* w;  // [O, I], rows ldw apart
   int64_t ldw;
-  float* y;  // [rows, O], rows ldy apart
+  T* y;  // [rows, O], rows ldy apart
   int64_t ldy;
   int64_t rows, in_features;
 };
+using Linear = LinearOf<float>;
 
 constexpr int64_t kChunk = 512;  // elements of I per pass (a tile's rows of w and x in L1)
 
@@ -460,12 +455,33 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
 
 namespace {
 
-bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts, bool accumulate_allowed) {
+bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts) {
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* b = blocks + 4 * i;
-    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1] || (b[3] != 0 && !accumulate_allowed)) return false;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1] || b[3] != 0) return false;
   }
   return true;
+}
+
+// The bf16 entry points' common frame: checks the table (no block may accumulate), then on a
+// team of at most `threads` (at least `least` units a thread) each thread takes its share
+// [first, last) of `units` (in steps of `step`) and calls run(e, start, stop, first, last) for
+// every block in turn. -1 for a table it does not take, or where a call returned false.
+template <typename Run>
+int over_blocks(const int64_t* blocks, int64_t count, int64_t experts, int64_t units, int64_t step, int64_t least,
+                int threads, void* parallel, void* thread_num, void* num_threads, Run run) {
+  if (count < 0 || !blocks_fit(blocks, count, experts)) return -1;
+  int failed = 0;
+  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, units / least));
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(units, step, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      if (!run(blocks[4 * i], blocks[4 * i + 1], blocks[4 * i + 2], first, last))
+        __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    }
+  });
+  return failed ? -1 : 0;
 }
 
 }  // namespace
@@ -479,46 +495,37 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg
                                                      const int64_t* blocks, int64_t count, int64_t out_features,
                                                      int64_t in_features, int threads, void* parallel,
                                                      void* thread_num, void* num_threads) {
-  if (!ready() || count < 0 || out_features < 1 || in_features < 0 || threads < 1) return -1;
-  if (!blocks_fit(blocks, count, experts, false)) return -1;
-  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / 64));
-  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
-    int64_t first, last;
-    share(in_features, 64, t, parts, &first, &last);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const MatmulOf<float, bf16_t, bf16_t> p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
-                                               stop - start, out_features, in_features};
-      whole_sums(p, first, last);
-    }
-  });
-  return 0;
+  if (!ready() || out_features < 1 || in_features < 0 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
+                       const MatmulOf<float, bf16_t, bf16_t> p{g + start * ldg, ldg, w + e * w_expert, ldw,
+                                                               y + start * ldy, ldy, stop - start, out_features,
+                                                               in_features};
+                       whole_sums(p, first, last);
+                       return true;
+                     });
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the
 // caller, as above), bf16 b [rows, n] into expert e's bf16 gradient c_e [m, n] (at c +
-// e·c_expert, rows ldc apart), written over (no block may accumulate); with `stream` c's whole 32-byte pieces go past the caches (c and
-// ldc·2 multiples of 32 bytes). The threads split c's rows, each taking its share of every block.
+// e·c_expert, rows ldc apart), written over (no block may accumulate); with `stream` c's whole
+// 32-byte pieces go past the caches (c and ldc·2 multiples of 32 bytes). The threads split c's
+// rows, each taking its share of every block.
 extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t lda, const bf16_t* b, int64_t ldb,
                                                       bf16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
                                                       const int64_t* blocks, int64_t count, int64_t m, int64_t n,
                                                       int stream, int threads, void* parallel, void* thread_num,
                                                       void* num_threads) {
-  if (!ready() || count < 0 || m < 0 || n < 0 || threads < 1) return -1;
-  if (!blocks_fit(blocks, count, experts, false)) return -1;
-  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, m / 24));
-  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
-    int64_t first, last;
-    share(m, 6, t, parts, &first, &last);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const WeightGradOf<float, bf16_t, bf16_t> p{a + start * lda, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
-                                                   stop - start, m, n, false, stream != 0};
-      if (stream) rows_range<false, true>(p, first, last);
-      else rows_range<false, false>(p, first, last);
-    }
-  });
-  return 0;
+  if (!ready() || m < 0 || n < 0 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
+                       const WeightGradOf<float, bf16_t, bf16_t> p{a + start * lda, lda, b + start * ldb, ldb,
+                                                                   c + e * c_expert, ldc, stop - start, m, n, false,
+                                                                   stream != 0};
+                       if (stream) rows_range<false, true>(p, first, last);
+                       else rows_range<false, false>(p, first, last);
+                       return true;
+                     });
 }
 
 // Forward y[start:stop] = x[start:stop]·w_eᵀ for bf16 x [rows, I], w_e [O, I], y [rows, O] on
@@ -538,7 +545,7 @@ bool bf16_ready() {
   return usable;
 }
 
-inline bf16_t round1(float v) {  // as round16, one value
+inline bf16_t round1(float v) {  // as to_bf16, one value
   uint32_t bits;
   __builtin_memcpy(&bits, &v, 4);
   if (v != v) return 0x7FC0;
@@ -552,15 +559,7 @@ inline bf16_t round1(float v) {  // as round16, one value
 
 namespace {
 
-struct LinearBf16 {
-  const bf16_t* x;  // [rows, I], rows ldx apart
-  int64_t ldx;
-  const bf16_t* w;  // [O, I], rows ldw apart
-  int64_t ldw;
-  bf16_t* y;  // [rows, O], rows ldy apart
-  int64_t ldy;
-  int64_t rows, in_features;
-};
+using LinearBf16 = LinearOf<bf16_t>;
 
 inline __m512bh pairs(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh pairs(const bf16_t* p, __mmask32 lanes) { return (__m512bh)_mm512_maskz_loadu_epi16(lanes, p); }
@@ -657,7 +656,7 @@ void outer_tile(const uint32_t* packed, int64_t pairs, const bf16_t* w, int64_t 
   const __mmask16 lanes = static_cast<__mmask16>((1u << COLS) - 1);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, column, &sums[0][r], 4);
-    _mm256_mask_storeu_epi16(y + r * ldy, lanes, round16(row));
+    _mm256_mask_storeu_epi16(y + r * ldy, lanes, to_bf16(row));
   }
 }
 
@@ -848,21 +847,17 @@ extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, c
                                                  const int64_t* blocks, int64_t count, int64_t out_features,
                                                  int64_t in_features, int threads, void* parallel, void* thread_num,
                                                  void* num_threads) {
-  if (!bf16_ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
-  if (!blocks_fit(blocks, count, experts, false)) return -1;
-  int failed = 0;  // (a thread's scratch not allocated: -1, y partly written)
-  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
-  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
-    int64_t first, last;
-    share(out_features, 6, t, parts, &first, &last);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
-      if (p.rows <= kDotMaxRows || in_features % 2) dot_range(p, first, last);
-      else if (!outer_range(p, first, last)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-    }
-  });
-  return failed ? -1 : 0;
+  if (!bf16_ready() || out_features < 0 || in_features < 1 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, out_features, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
+                       const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                          stop - start, in_features};
+                       if (p.rows <= kDotMaxRows || in_features % 2) {
+                         dot_range(p, first, last);
+                         return true;
+                       }
+                       return outer_range(p, first, last);
+                     });
 }
 
 // Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (O even),
@@ -875,19 +870,11 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int
                                                             int64_t ldy, const int64_t* blocks, int64_t count,
                                                             int64_t out_features, int64_t in_features, int threads,
                                                             void* parallel, void* thread_num, void* num_threads) {
-  if (!bf16_ready() || count < 0 || out_features < 2 || out_features % 2 || in_features < 0 || threads < 1) return -1;
-  if (!blocks_fit(blocks, count, experts, false)) return -1;
-  int failed = 0;
-  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, in_features / kGradPanel));
-  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
-    int64_t first, last;
-    share(in_features, kGradPanel, t, parts, &first, &last);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start,
-                            out_features};
-      if (p.rows > 0 && first < last && !grad_range(p, first, last)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-    }
-  });
-  return failed ? -1 : 0;
+  if (!bf16_ready() || out_features < 2 || out_features % 2 || in_features < 0 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, in_features, kGradPanel, kGradPanel, threads, parallel, thread_num,
+                     num_threads, [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
+                       const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                             stop - start, out_features};
+                       return p.rows == 0 || first >= last || grad_range(p, first, last);
+                     });
 }

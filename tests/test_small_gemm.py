@@ -720,6 +720,31 @@ def _needs_bf16_blocks():
         pytest.skip("no bf16 blocks kernels here (not an AVX512-BF16 CPU without AMX, or the library not built)")
 
 
+def _on_one_thread(run):
+    """run() with torch (and so the kernels' team) on one thread: the work is split otherwise."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bf16_input_grads_checked(g: torch.Tensor, w: torch.Tensor, blocks, unused_row: int) -> torch.Tensor:
+    """bf16_input_grad_blocks into a slice of a wider NaN tensor: each block's rows within one
+    rounding of float64's product, the row between blocks and the margins untouched."""
+    I = w.shape[2]
+    wide = torch.full((g.shape[0], I + 7), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 3 : I + 3]
+    assert _small_gemm.bf16_input_grad_blocks(out, g, w, blocks)
+    for e, start, stop in blocks:
+        exact = g[start:stop].double() @ w[e].double()
+        bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), w.shape[1])
+        _bf16_within_one_rounding(out[start:stop], exact, bound)
+    assert wide[unused_row].isnan().all() and wide[:, :3].isnan().all() and wide[:, I + 3 :].isnan().all()
+    return out
+
+
 # blocks of 1 to BF16_BLOCKS_MAX_ROWS rows, experts in any order, rows between blocks unused
 _BF16_BLOCKS = [(2, 0, 1), (0, 1, 9), (3, 10, 13), (1, 13, 19)]
 
@@ -742,24 +767,12 @@ def test_bf16_input_grad_blocks_are_each_blocks_product_rounded_once(shape):
     torch.manual_seed(0)
     w = torch.randn(4, O, I).bfloat16()
     g = torch.randn(19, O).bfloat16()
-    wide = torch.full((19, I + 9), float("nan"), dtype=torch.bfloat16)
-    out = wide[:, 4 : I + 4]
-    assert _small_gemm.bf16_input_grad_blocks(out, g, w, _BF16_BLOCKS)
-    for e, start, stop in _BF16_BLOCKS:
-        exact = g[start:stop].double() @ w[e].double()
-        bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), O)
-        _bf16_within_one_rounding(out[start:stop], exact, bound)
-    assert wide[9].isnan().all() and wide[:, :4].isnan().all() and wide[:, I + 4 :].isnan().all()
+    out = _bf16_input_grads_checked(g, w, _BF16_BLOCKS, unused_row=9)
     one_by_one = torch.empty_like(out)
     for block in _BF16_BLOCKS:
         assert _small_gemm.bf16_input_grad_blocks(one_by_one, g, w, [block])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = torch.empty_like(out)
-        assert _small_gemm.bf16_input_grad_blocks(single, g, w, _BF16_BLOCKS)
-    finally:
-        torch.set_num_threads(threads)
+    single = torch.empty_like(out)
+    assert _on_one_thread(lambda: _small_gemm.bf16_input_grad_blocks(single, g, w, _BF16_BLOCKS))
     rows = torch.ones(19, dtype=torch.bool)
     rows[9] = False
     assert torch.equal(one_by_one[rows], out[rows]) and torch.equal(single[rows], out[rows])
@@ -809,12 +822,7 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
         bound = _bound(x[start:stop].double().abs(), w[e].double().abs().t(), I)
         _bf16_within_one_rounding(out[start:stop], exact, bound)
     assert wide[3 + most].isnan().all() and wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = _small_gemm.linear_blocks(x, w, blocks)
-    finally:
-        torch.set_num_threads(threads)
+    single = _on_one_thread(lambda: _small_gemm.linear_blocks(x, w, blocks))
     used = torch.ones(rows, dtype=torch.bool)
     used[3 + most] = False
     assert torch.equal(single[used], out[used])
@@ -853,21 +861,9 @@ def test_bf16_input_grad_of_larger_blocks_is_each_blocks_product_rounded_once(sh
     blocks = [(1, 0, 9), (0, 9, 12), (2, 13, 50), (1, 50, 137)]
     torch.manual_seed(4)
     w, g = torch.randn(3, O, I).bfloat16(), torch.randn(137, O).bfloat16()
-    wide = torch.full((137, I + 6), float("nan"), dtype=torch.bfloat16)
-    out = wide[:, 3 : I + 3]
-    assert _small_gemm.bf16_input_grad_blocks(out, g, w, blocks)
-    for e, start, stop in blocks:
-        exact = g[start:stop].double() @ w[e].double()
-        bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), O)
-        _bf16_within_one_rounding(out[start:stop], exact, bound)
-    assert wide[12].isnan().all() and wide[:, :3].isnan().all() and wide[:, I + 3 :].isnan().all()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = torch.empty_like(out)
-        assert _small_gemm.bf16_input_grad_blocks(single, g, w, blocks)
-    finally:
-        torch.set_num_threads(threads)
+    out = _bf16_input_grads_checked(g, w, blocks, unused_row=12)
+    single = torch.empty_like(out)
+    assert _on_one_thread(lambda: _small_gemm.bf16_input_grad_blocks(single, g, w, blocks))
     used = torch.ones(137, dtype=torch.bool)
     used[12] = False
     assert torch.equal(single[used], out[used])
