@@ -717,16 +717,17 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
 
 // ---- bf16 input gradients y = g·w of blocks past a few rows ----------------------------------
 //
-// The sum runs over w's rows, so w is the operand that goes in pairs: a panel of kGradPanel
-// columns by kGradDepth rows of w at a time is interleaved two rows by two (pairs (w[o, c],
-// w[o + 1, c]) in column order: unpacklo/hi, then put in order) into the thread's scratch,
-// 32 KiB that stay in L1 while every row tile of g passes over them: 6 rows of g by the
+// The sum runs over w's rows, so w is the operand that goes in pairs: kGradDepth rows of w over
+// the thread's columns at a time are interleaved two rows by two (pairs (w[o, c], w[o + 1, c])
+// in column order: unpacklo/hi, then put in order) into the thread's scratch, in panels of
+// kGradPanel columns, 32 KiB each, which stay in L1 while every row tile of g passes over them: 6 rows of g by the
 // panel's 64 columns (24 accumulators), each of g's pairs (g[r, o], g[r, o + 1]) one broadcast
 // straight from g's row. The partial sums of a row tile are carried from depth chunk to depth
 // chunk in a float32 buffer (the thread's scratch too) and rounded to bf16 once, after the
 // last. w is read once; g's rows once per panel.
 constexpr int64_t kGradPanel = 64;
 constexpr int64_t kGradDepth = 256;  // rows of w per chunk (even)
+constexpr int64_t kPackAhead = 8;    // pairs of w's rows prefetched ahead while packing
 
 struct InputGradBf16 {
   const bf16_t* g;  // [rows, O], rows ldg apart
@@ -738,22 +739,32 @@ struct InputGradBf16 {
   int64_t rows, out_features;  // (O even)
 };
 
-// w's rows [o0, o0 + depth) by columns [q, q + cols) (cols ≤ kGradPanel; the rest zero) as
-// pairs: panel[p·kGradPanel + c] = (w[o0 + 2p, q + c], w[o0 + 2p + 1, q + c]).
-void pack_grad_panel(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, uint32_t* panel) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+// w's rows [o0, o0 + depth) by columns [first, last) as pairs, one panel of kGradPanel columns
+// after another (the last one's columns past `last` zero): panel i holds
+// [p·kGradPanel + c] = (w[o0 + 2p, q + c], w[o0 + 2p + 1, q + c]) for q = first + i·kGradPanel.
+// Each of w's rows is read across the whole range at once (a panel at a time read 128 bytes of
+// each row, 2 KiB apart, and spent more time than the products: perf, 32-row blocks).
+void pack_grad_chunk(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t first, int64_t last,
+                     uint32_t* panels) {
+  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int64_t panel_words = kGradDepth / 2 * kGradPanel;
   for (int64_t pr = 0; pr < depth / 2; ++pr) {
-    const bf16_t* even = p.w + (o0 + 2 * pr) * p.ldw + q;
+    const bf16_t* even = p.w + (o0 + 2 * pr) * p.ldw;
     const bf16_t* odd = even + p.ldw;
-    uint32_t* out = panel + pr * kGradPanel;
-    for (int64_t h = 0; h < kGradPanel; h += 32) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, cols - h));
+    if (pr + kPackAhead < depth / 2)  // the rows kPackAhead pairs on, line by line: w comes from memory
+      for (int64_t q = first; q < last; q += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * p.ldw + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * p.ldw + q), _MM_HINT_T0);
+      }
+    for (int64_t q = first; q < last + (kGradPanel - 1) - ((last - first - 1) % kGradPanel); q += 32) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, last - q));
       const __mmask32 lanes = static_cast<__mmask32>(n == 32 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
-      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + h), b = _mm512_maskz_loadu_epi16(lanes, odd + h);
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + q), b = _mm512_maskz_loadu_epi16(lanes, odd + q);
       const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-      _mm512_storeu_si512(out + h, _mm512_permutex2var_epi32(lo, first, hi));
-      _mm512_storeu_si512(out + h + 16, _mm512_permutex2var_epi32(lo, second, hi));
+      uint32_t* out = panels + (q - first) / kGradPanel * panel_words + pr * kGradPanel + (q - first) % kGradPanel;
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi32(lo, lower, hi));
+      _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi32(lo, upper, hi));
     }
   }
 }
@@ -809,21 +820,23 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 
 // y's columns [first, last); false where the scratch could not be had.
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
-  const int64_t panel_words = kGradDepth / 2 * kGradPanel;
-  auto* scratch = static_cast<uint32_t*>(
-      moe_ffn_team::thread_scratch(sizeof(uint32_t) * panel_words + sizeof(float) * p.rows * kGradPanel));
+  const int64_t panel_words = kGradDepth / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;
+  auto* scratch = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(
+      sizeof(uint32_t) * panel_words * panels + sizeof(float) * p.rows * kGradPanel * panels));
   if (scratch == nullptr) return false;
-  float* sums = reinterpret_cast<float*>(scratch + panel_words);
-  for (int64_t q = first; q < last; q += kGradPanel) {
-    const int64_t cols = std::min(kGradPanel, last - q);
-    for (int64_t o0 = 0; o0 < p.out_features; o0 += kGradDepth) {
-      const int64_t depth = std::min(kGradDepth, p.out_features - o0);
-      const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.out_features;
-      pack_grad_panel(p, o0, depth, q, cols, scratch);
-      if (first_chunk && last_chunk) grad_rows<true, true>(p, scratch, o0, depth, q, cols, sums);
-      else if (first_chunk) grad_rows<true, false>(p, scratch, o0, depth, q, cols, sums);
-      else if (last_chunk) grad_rows<false, true>(p, scratch, o0, depth, q, cols, sums);
-      else grad_rows<false, false>(p, scratch, o0, depth, q, cols, sums);
+  float* sums = reinterpret_cast<float*>(scratch + panel_words * panels);  // [panel][rows][kGradPanel]
+  for (int64_t o0 = 0; o0 < p.out_features; o0 += kGradDepth) {
+    const int64_t depth = std::min(kGradDepth, p.out_features - o0);
+    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.out_features;
+    pack_grad_chunk(p, o0, depth, first, last, scratch);
+    for (int64_t i = 0; i < panels; ++i) {
+      const int64_t q = first + i * kGradPanel, cols = std::min(kGradPanel, last - q);
+      const uint32_t* panel = scratch + i * panel_words;
+      float* panel_sums = sums + i * p.rows * kGradPanel;
+      if (first_chunk && last_chunk) grad_rows<true, true>(p, panel, o0, depth, q, cols, panel_sums);
+      else if (first_chunk) grad_rows<true, false>(p, panel, o0, depth, q, cols, panel_sums);
+      else if (last_chunk) grad_rows<false, true>(p, panel, o0, depth, q, cols, panel_sums);
+      else grad_rows<false, false>(p, panel, o0, depth, q, cols, panel_sums);
     }
   }
   return true;

@@ -87,9 +87,9 @@ float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–96 row
 products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `linear_blocks`
 for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's
 kernels; on CPUs with AVX512-BF16 but no AMX, bf16 blocks go to _avx512.cpp's bf16 entry
-points: forward products of 1–1024 rows (`linear_blocks`), input gradients of 1–8 rows and,
-through fine-grained weights, to 512 (`bf16_input_grad_blocks`), weight gradients of 1–8
-rows (`bf16_weight_grad_blocks`); numbers at BF16_BLOCKS_MAX_ROWS and the constants after it.
+points: forward products of 1–1024 rows (`linear_blocks`), input gradients of 1–512 rows
+(`bf16_input_grad_blocks`), weight gradients of 1–8 rows (`bf16_weight_grad_blocks`);
+numbers at BF16_BLOCKS_MAX_ROWS and the constants after it.
 
 Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
@@ -785,25 +785,26 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
 # 10.2–20.8). The kernels' float32 FMAs run out of issue slots from about 8 rows, where bf16
 # dot-product instructions would double the rate (not written).
 BF16_BLOCKS_MAX_ROWS = 8
-# Input gradients of more rows through weights of at most 2^20 elements (the fine-grained
-# experts'): panels of 64 columns by 256 rows of the weight interleaved in bf16 pairs (L1),
-# 6×64 register tiles on bf16 dot products, partial sums carried in float32 from panel to panel
-# (`bf16_input_grad_blocks`). Per product, 8 weights in turn, 7 rounds, GFLOP/s torch → kernel:
-# 1024×1024 and 1024×512 at 16 rows 161–181 → 202–210, 32 rows 268–296 → 332–346, 64 rows
-# 418–465 → 495–509, 128 rows 565–620 → 640–653, 512 rows 668–776 → 809–863; through Mixtral's
-# weights level or behind (1024×3584 1.02–1.10×, 7168×1024 0.95–1.03×), and in the layer there
-# behind (Mixtral bf16 forward+backward T = 64 / 256 0.98 / 0.94×, 7 rounds), hence the bound;
-# fine-grained T = 64 / 256 / 2048 1.02 / 1.08 / 1.04× (with the bound: 1.07 / 1.09 / 1.04×,
-# Mixtral level, 0.99–1.01×).
+# Input gradients of 2–512-row blocks (an even O): panels of 64 columns by 256 rows of the
+# weight interleaved in bf16 pairs (L1), the weight's rows prefetched 8 pairs ahead as they are
+# packed (it comes from memory: without the prefetch the packing's loads took more time than
+# the products, 1.6× slower at 32 rows), 6×64 register tiles on bf16 dot products, partial sums
+# carried in float32 from chunk to chunk (`bf16_input_grad_blocks`). Per product, 8 or 64
+# weights in turn, 7 rounds, GFLOP/s torch → kernel (→ the widening kernel at 2–8 rows): 2 rows
+# 28–37 → 43–53 (39–49), 8 rows 100–132 → 146–185 (95–129), 16 rows 183–227 → 258–296, 32
+# rows 295–363 → 399–458, 128 rows 609–655 → 678–733, 512 rows 650–791 → 809–837; one-row
+# blocks stay on the widening kernel. Layer bf16 forward+backward, interleaved A/B in one
+# process (7 rounds) against packed panels without the prefetch from 9 rows through weights of
+# at most 2^20 elements only: Mixtral T = 16 / 64 / 256 / 2048 1.03 / 1.14 / 1.06 / 1.00×, fine
+# 1.02 / 1.08 / 1.09 / 1.00×.
 BF16_INPUT_GRAD_MAX_ROWS = 512
-BF16_INPUT_GRAD_PACKED_WEIGHT = 1 << 20
+BF16_INPUT_GRAD_PACKED_FROM_ROWS = 2
 
 
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
-    """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]."""
-    E, O, I = w_EOI.shape
-    packed = O % 2 == 0 and O * I <= BF16_INPUT_GRAD_PACKED_WEIGHT
-    return BF16_INPUT_GRAD_MAX_ROWS if packed else BF16_BLOCKS_MAX_ROWS
+    """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]
+    (the packed-panel kernel needs an even O; the widening one takes up to 8 rows)."""
+    return BF16_INPUT_GRAD_MAX_ROWS if w_EOI.shape[1] % 2 == 0 else BF16_BLOCKS_MAX_ROWS
 
 
 # The forward x·Wᵀ on AVX512-BF16's dot-product instruction (`linear_blocks`), per product as
@@ -873,14 +874,16 @@ def _bf16_blocks_kernel(inputs: tuple[Tensor, ...], out: Tensor, blocks, accumul
 
 def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop), all bf16, each
-    result rounded to bf16 once: blocks of 1 to BF16_BLOCKS_MAX_ROWS rows in one call of the
-    widening kernel, larger ones to `bf16_input_grad_max_rows(w_EOI)` in one call of the
-    packed-panel kernel; returns whether it ran (when False, `out` is untouched)."""
+    result rounded to bf16 once: blocks from BF16_INPUT_GRAD_PACKED_FROM_ROWS to
+    `bf16_input_grad_max_rows(w_EOI)` rows in one call of the packed-panel kernel (an even O),
+    the others (to BF16_BLOCKS_MAX_ROWS) in one call of the widening kernel; returns whether it
+    ran (when False, `out` is untouched)."""
     if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and blocks):
         return False
     E, O, I = w_EOI.shape
-    small = [b for b in blocks if b[2] - b[1] <= BF16_BLOCKS_MAX_ROWS]
-    large = [b for b in blocks if b[2] - b[1] > BF16_BLOCKS_MAX_ROWS]
+    packed = (lambda rows: rows >= BF16_INPUT_GRAD_PACKED_FROM_ROWS) if O % 2 == 0 else (lambda rows: False)
+    small = [b for b in blocks if not packed(b[2] - b[1])]
+    large = [b for b in blocks if packed(b[2] - b[1])]
     found = _bf16_blocks_kernel((g,), out, blocks, most=bf16_input_grad_max_rows(w_EOI))
     if found is None or not _writable_rows(out):
         return False
