@@ -729,15 +729,8 @@ constexpr int64_t kGradPanel = 64;
 constexpr int64_t kGradDepth = 256;  // rows of w per chunk (even)
 constexpr int64_t kPackAhead = 8;    // pairs of w's rows prefetched ahead while packing
 
-struct InputGradBf16 {
-  const bf16_t* g;  // [rows, O], rows ldg apart
-  int64_t ldg;
-  const bf16_t* w;  // [O, I], rows ldw apart
-  int64_t ldw;
-  bf16_t* y;  // [rows, I], rows ldy apart
-  int64_t ldy;
-  int64_t rows, out_features;  // (O even)
-};
+// The operands as MatmulOf's: a = g [rows, O] (m = rows), b = w [O, I] (k = O, even), c = y.
+using InputGradBf16 = MatmulOf<bf16_t, bf16_t, bf16_t>;
 
 // w's rows [o0, o0 + depth) by columns [first, last) as pairs, one panel of kGradPanel columns
 // after another (the last one's columns past `last` zero): panel i holds
@@ -750,12 +743,12 @@ void pack_grad_chunk(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t 
   const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const int64_t panel_words = kGradDepth / 2 * kGradPanel;
   for (int64_t pr = 0; pr < depth / 2; ++pr) {
-    const bf16_t* even = p.w + (o0 + 2 * pr) * p.ldw;
-    const bf16_t* odd = even + p.ldw;
+    const bf16_t* even = p.b + (o0 + 2 * pr) * p.ldb;
+    const bf16_t* odd = even + p.ldb;
     if (pr + kPackAhead < depth / 2)  // the rows kPackAhead pairs on, line by line: w comes from memory
       for (int64_t q = first; q < last; q += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * p.ldw + q), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * p.ldw + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * p.ldb + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * p.ldb + q), _MM_HINT_T0);
       }
     for (int64_t q = first; q < last + (kGradPanel - 1) - ((last - first - 1) % kGradPanel); q += 32) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, last - q));
@@ -778,13 +771,13 @@ void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t
   __m512 acc[ROWS][4];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r + i) * kGradPanel + 16 * j);
-  const bf16_t* g = p.g + r * p.ldg + o0;
+  const bf16_t* g = p.a + r * p.lda + o0;
   for (int64_t pr = 0; pr < depth / 2; ++pr) {
     __m512bh w_p[4];
     for (int j = 0; j < 4; ++j) w_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
     for (int i = 0; i < ROWS; ++i) {
       uint32_t pair;
-      __builtin_memcpy(&pair, g + i * p.ldg + 2 * pr, 4);
+      __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
       const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
     }
@@ -794,7 +787,7 @@ void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t
       for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + (r + i) * kGradPanel + 16 * j, acc[i][j]);
       continue;
     }
-    bf16_t* y = p.y + (r + i) * p.ldy + q;
+    bf16_t* y = p.c + (r + i) * p.ldc + q;
     for (int j = 0; j < 4; ++j) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
       if (n == 16) store16<false>(y + 16 * j, acc[i][j]);
@@ -807,8 +800,8 @@ template <bool FIRST, bool LAST>
 void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_t depth, int64_t q, int64_t cols,
                float* sums) {
   int64_t r = 0;
-  for (; r + 6 <= p.rows; r += 6) grad_tile<6, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums);
-  switch (p.rows - r) {
+  for (; r + 6 <= p.m; r += 6) grad_tile<6, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums);
+  switch (p.m - r) {
     case 5: grad_tile<5, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
     case 4: grad_tile<4, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
     case 3: grad_tile<3, FIRST, LAST>(p, panel, r, o0, depth, q, cols, sums); break;
@@ -822,17 +815,17 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
   const int64_t panel_words = kGradDepth / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;
   auto* scratch = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(
-      sizeof(uint32_t) * panel_words * panels + sizeof(float) * p.rows * kGradPanel * panels));
+      sizeof(uint32_t) * panel_words * panels + sizeof(float) * p.m * kGradPanel * panels));
   if (scratch == nullptr) return false;
   float* sums = reinterpret_cast<float*>(scratch + panel_words * panels);  // [panel][rows][kGradPanel]
-  for (int64_t o0 = 0; o0 < p.out_features; o0 += kGradDepth) {
-    const int64_t depth = std::min(kGradDepth, p.out_features - o0);
-    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.out_features;
+  for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
+    const int64_t depth = std::min(kGradDepth, p.k - o0);
+    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
     pack_grad_chunk(p, o0, depth, first, last, scratch);
     for (int64_t i = 0; i < panels; ++i) {
       const int64_t q = first + i * kGradPanel, cols = std::min(kGradPanel, last - q);
       const uint32_t* panel = scratch + i * panel_words;
-      float* panel_sums = sums + i * p.rows * kGradPanel;
+      float* panel_sums = sums + i * p.m * kGradPanel;
       if (first_chunk && last_chunk) grad_rows<true, true>(p, panel, o0, depth, q, cols, panel_sums);
       else if (first_chunk) grad_rows<true, false>(p, panel, o0, depth, q, cols, panel_sums);
       else if (last_chunk) grad_rows<false, true>(p, panel, o0, depth, q, cols, panel_sums);
@@ -887,7 +880,7 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int
   return over_blocks(blocks, count, experts, in_features, kGradPanel, kGradPanel, threads, parallel, thread_num,
                      num_threads, [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
                        const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
-                                             stop - start, out_features};
-                       return p.rows == 0 || first >= last || grad_range(p, first, last);
+                                             stop - start, out_features, in_features};
+                       return p.m == 0 || first >= last || grad_range(p, first, last);
                      });
 }

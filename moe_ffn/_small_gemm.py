@@ -605,26 +605,39 @@ AVX512_WEIGHT_GRAD_ROWS = (1, 96)
 _STREAM_ELEMENTS = 1 << 19
 
 
-@functools.lru_cache(maxsize=None)
-def _avx512_entry_points():
-    """(forward, weight gradient) AVX-512 entry points, or None: the library not built or
-    switched off, built without them, or the CPU (or OS) without AVX-512."""
+def _ready_entry_points(ready_name: str, *names: str) -> Optional[tuple]:
+    """The library's entry points `names` (each returning int), or None: the library not built
+    or switched off, built without them, or `ready_name` saying the CPU (or OS) cannot run them."""
     lib = library()
     if lib is None:
         return None
     try:
-        ready, linear, weight_grad = lib.moe_ffn_avx512_ready, lib.moe_ffn_avx512_linear_f32, lib.moe_ffn_avx512_weight_grad_f32
-        blocks = lib.moe_ffn_avx512_linear_blocks_f32
+        ready, *points = (getattr(lib, name) for name in (ready_name, *names))
     except AttributeError:
         return None
     ready.restype = ctypes.c_int
     if ready() != 1:
         return None
+    for fn in points:
+        fn.restype = ctypes.c_int
+    return tuple(points)
+
+
+@functools.lru_cache(maxsize=None)
+def _avx512_entry_points():
+    """(forward, weight gradient, forward blocks) AVX-512 entry points, or None: the library
+    not built or switched off, built without them, or the CPU (or OS) without AVX-512."""
+    points = _ready_entry_points(
+        "moe_ffn_avx512_ready", "moe_ffn_avx512_linear_f32", "moe_ffn_avx512_weight_grad_f32",
+        "moe_ffn_avx512_linear_blocks_f32",
+    )
+    if points is None:
+        return None
+    linear, weight_grad, blocks = points
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, ptr]
     blocks.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
-    linear.restype = weight_grad.restype = blocks.restype = c_int
     return linear, weight_grad, blocks
 
 
@@ -832,22 +845,18 @@ def _bf16_blocks_entry_points():
         and _avx512_entry_points() is not None
     ):
         return None
-    lib = library()
-    try:
-        input_grad, weight_grad = lib.moe_ffn_avx512_input_grad_blocks_bf16, lib.moe_ffn_avx512_weight_grad_blocks_bf16
-        ready, linear = lib.moe_ffn_avx512_bf16_ready, lib.moe_ffn_avx512_linear_blocks_bf16
-        input_grad_packed = lib.moe_ffn_avx512_input_grad_blocks_bf16_packed
-    except AttributeError:
+    points = _ready_entry_points(
+        "moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_input_grad_blocks_bf16", "moe_ffn_avx512_weight_grad_blocks_bf16",
+        "moe_ffn_avx512_linear_blocks_bf16", "moe_ffn_avx512_input_grad_blocks_bf16_packed",
+    )
+    if points is None:
         return None
-    ready.restype = ctypes.c_int
-    if ready() != 1:
-        return None
+    input_grad, weight_grad, linear, input_grad_packed = points
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     team = [c_int, ptr, ptr, ptr]
     blocks_args = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
     input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
-    input_grad.restype = weight_grad.restype = linear.restype = input_grad_packed.restype = c_int
     return input_grad, weight_grad, linear, input_grad_packed
 
 
@@ -881,9 +890,9 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
     if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and blocks):
         return False
     E, O, I = w_EOI.shape
-    packed = (lambda rows: rows >= BF16_INPUT_GRAD_PACKED_FROM_ROWS) if O % 2 == 0 else (lambda rows: False)
-    small = [b for b in blocks if not packed(b[2] - b[1])]
-    large = [b for b in blocks if packed(b[2] - b[1])]
+    from_rows = BF16_INPUT_GRAD_PACKED_FROM_ROWS if O % 2 == 0 else BF16_INPUT_GRAD_MAX_ROWS + 1  # (odd O: none)
+    small = [b for b in blocks if b[2] - b[1] < from_rows]
+    large = [b for b in blocks if b[2] - b[1] >= from_rows]
     found = _bf16_blocks_kernel((g,), out, blocks, most=bf16_input_grad_max_rows(w_EOI))
     if found is None or not _writable_rows(out):
         return False
