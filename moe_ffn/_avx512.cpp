@@ -621,96 +621,93 @@ void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
 }
 
 // Blocks of more rows: yᵀ = w·xᵀ as outer products, so that each of w's bf16 pairs is one
-// broadcast and the products of 32 rows of x come from two vectors. x's rows are packed a tile
-// of kPackRows at a time (pairs (x[r, 2p], x[r, 2p+1]) of the tile's rows side by side for
-// each p: a 32-bit transpose, into the thread's scratch); register tiles of 12 rows of w by the
-// tile's 32 rows of x (24 accumulators), each tile's whole sum over I in its registers, then
-// stored transposed through a small buffer. Every row tile of x passes over the thread's rows
-// of w (from the caches: w is read from memory once per 32 rows of x at most).
-constexpr int64_t kPackRows = 32;
-constexpr int kOuterCols = 12;  // rows of w per register tile
+// broadcast and the products of 16 rows of x come from one vector. x's rows are packed in
+// groups of kGroupRows (pairs (x[r, 2p], x[r, 2p+1]) of the group's rows side by side for each
+// p: a 32-bit transpose, into the thread's scratch); a register tile spans V groups of x's
+// rows by 24 / V rows of w (24 accumulators), each tile's whole sum over I in its registers,
+// then stored transposed through a small buffer. A block's groups (two or more: smaller blocks
+// take the dot-product tiles) go into tiles of 3, then of 2 for the rest (3 + 2 + 2 where 3 + 1
+// would leave a tile of 1: 24 broadcasts for 24 products ran at 0.6-0.75× the dot tiles' rate
+// at 16 rows; tiles of 4 were no faster than two of 2). A block thus computes less than 16 rows
+// it does not need; tiles of a fixed 32 rows computed up to 31 (33 rows ran at 0.70× the rate
+// of 32, 48 at 0.8×). Every row tile of x passes over the thread's rows of w (from the caches:
+// w is read from memory once).
+constexpr int64_t kGroupRows = 16;
 
-template <int COLS>
-void outer_tile(const uint32_t* packed, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y, int64_t ldy,
-                int64_t rows) {
-  __m512 acc[COLS][2];
-  for (int j = 0; j < COLS; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+template <int V, int COLS>
+void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y,
+                int64_t ldy, int64_t rows) {
+  __m512 acc[COLS][V];
+  for (int j = 0; j < COLS; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
   for (int64_t q = 0; q < pairs; ++q) {
-    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(packed + q * kPackRows);
-    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(packed + q * kPackRows + 16);
+    __m512bh x_v[V];
+    for (int v = 0; v < V; ++v) x_v[v] = (__m512bh)_mm512_loadu_si512(packed + v * group_words + q * kGroupRows);
     for (int j = 0; j < COLS; ++j) {
       uint32_t pair;
       __builtin_memcpy(&pair, w + j * ldw + 2 * q, 4);
       const __m512bh w_j = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w_j, x0);
-      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], w_j, x1);
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w_j, x_v[v]);
     }
   }
-  alignas(64) float sums[COLS][kPackRows];  // sums[j][r] = y[r, j]
-  for (int j = 0; j < COLS; ++j) {
-    _mm512_store_ps(sums[j], acc[j][0]);
-    _mm512_store_ps(sums[j] + 16, acc[j][1]);
-  }
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(kPackRows));
-  const __mmask16 lanes = static_cast<__mmask16>((1u << COLS) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, column, &sums[0][r], 4);
-    _mm256_mask_storeu_epi16(y + r * ldy, lanes, to_bf16(row));
-  }
+  alignas(64) float sums[COLS][V * kGroupRows];  // sums[j][r] = y[r, j]
+  for (int j = 0; j < COLS; ++j)
+    for (int v = 0; v < V; ++v) _mm512_store_ps(sums[j] + v * kGroupRows, acc[j][v]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < COLS; ++j) y[r * ldy + j] = round1(sums[j][r]);
 }
 
-// x's rows [r0, r0 + rows) (rows ≤ kPackRows) packed as above, tail rows zero.
+// x's rows [r0, r0 + rows) (rows ≤ kGroupRows) packed as above, tail rows zero.
 void pack_rows(const LinearBf16& p, int64_t r0, int64_t rows, uint32_t* packed) {
   const int64_t pairs = p.in_features / 2;
   const bf16_t* x = p.x + r0 * p.ldx;
-  for (int64_t q = 0; q < pairs; ++q) {  // (written in order, the tile's rows read side by side)
-    uint32_t* out = packed + q * kPackRows;
+  for (int64_t q = 0; q < pairs; ++q) {  // (written in order, the group's rows read side by side)
+    uint32_t* out = packed + q * kGroupRows;
     int64_t r = 0;
     for (; r < rows; ++r) __builtin_memcpy(out + r, x + r * p.ldx + 2 * q, 4);
-    for (; r < kPackRows; ++r) out[r] = 0;
+    for (; r < kGroupRows; ++r) out[r] = 0;
   }
 }
 
-// w's rows [first, last) for every row of the block (in_features even): all of x's row tiles
+// The last n (< 24 / V) of a strip's rows of w: one tile of exactly n.
+template <int V, int COLS>
+void outer_rest(const uint32_t* tile, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y, int64_t ldy,
+                int64_t rows, int64_t n) {
+  if (n == COLS) outer_tile<V, COLS>(tile, pairs * kGroupRows, pairs, w, ldw, y, ldy, rows);
+  else if constexpr (COLS > 1) outer_rest<V, COLS - 1>(tile, pairs, w, ldw, y, ldy, rows, n);
+}
+
+// w's rows [o, o1) against the row tile of V groups from group g (`rows` rows of y from
+// g·kGroupRows): tiles of 24 / V rows of w, then one of the rest.
+template <int V>
+void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int64_t o, int64_t o1, int64_t g) {
+  constexpr int kCols = 24 / V;
+  const uint32_t* tile = packed + g * pairs * kGroupRows;
+  const int64_t rows = std::min(V * kGroupRows, p.rows - g * kGroupRows);
+  bf16_t* y = p.y + g * kGroupRows * p.ldy;
+  for (; o + kCols <= o1; o += kCols)
+    outer_tile<V, kCols>(tile, pairs * kGroupRows, pairs, p.w + o * p.ldw, p.ldw, y + o, p.ldy, rows);
+  if (o < o1) outer_rest<V, kCols - 1>(tile, pairs, p.w + o * p.ldw, p.ldw, y + o, p.ldy, rows, o1 - o);
+}
+
+// w's rows [first, last) for every row of the block (in_features even): all of x's groups
 // packed first (the thread's scratch), then w's rows kChunkCols at a time (their pairs stay in
 // L2 while every row tile passes over them: w read from memory once); false where the scratch
 // could not be had.
-constexpr int64_t kChunkCols = 48;
-
-template <int COLS>
-void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int64_t o, int64_t r0, int64_t rows) {
-  outer_tile<COLS>(packed, pairs, p.w + o * p.ldw, p.ldw, p.y + r0 * p.ldy + o, p.ldy, rows);
-}
+constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
 bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
-  const int64_t pairs = p.in_features / 2, tiles = (p.rows + kPackRows - 1) / kPackRows;
-  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kPackRows * tiles));
+  const int64_t pairs = p.in_features / 2, groups = (p.rows + kGroupRows - 1) / kGroupRows;
+  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kGroupRows * groups));
   if (packed == nullptr) return false;
-  for (int64_t t = 0; t < tiles; ++t)
-    pack_rows(p, t * kPackRows, std::min(kPackRows, p.rows - t * kPackRows), packed + t * pairs * kPackRows);
+  for (int64_t g = 0; g < groups; ++g)
+    pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
   for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
     const int64_t o1 = std::min(last, o0 + kChunkCols);
-    for (int64_t t = 0; t < tiles; ++t) {
-      const uint32_t* tile = packed + t * pairs * kPackRows;
-      const int64_t r0 = t * kPackRows, rows = std::min(kPackRows, p.rows - r0);
-      int64_t o = o0;
-      for (; o + kOuterCols <= o1; o += kOuterCols) outer_tiles<kOuterCols>(tile, pairs, p, o, r0, rows);
-      switch (o1 - o) {
-        case 11: outer_tiles<11>(tile, pairs, p, o, r0, rows); break;
-        case 10: outer_tiles<10>(tile, pairs, p, o, r0, rows); break;
-        case 9: outer_tiles<9>(tile, pairs, p, o, r0, rows); break;
-        case 8: outer_tiles<8>(tile, pairs, p, o, r0, rows); break;
-        case 7: outer_tiles<7>(tile, pairs, p, o, r0, rows); break;
-        case 6: outer_tiles<6>(tile, pairs, p, o, r0, rows); break;
-        case 5: outer_tiles<5>(tile, pairs, p, o, r0, rows); break;
-        case 4: outer_tiles<4>(tile, pairs, p, o, r0, rows); break;
-        case 3: outer_tiles<3>(tile, pairs, p, o, r0, rows); break;
-        case 2: outer_tiles<2>(tile, pairs, p, o, r0, rows); break;
-        case 1: outer_tiles<1>(tile, pairs, p, o, r0, rows); break;
-        default: break;
-      }
-    }
+    const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1
+    int64_t g = 0;
+    for (; g < groups - 2 * twos; g += 3) outer_tiles<3>(packed, pairs, p, o0, o1, g);
+    for (; g < groups; g += 2) outer_tiles<2>(packed, pairs, p, o0, o1, g);
   }
   return true;
 }
@@ -842,6 +839,7 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
 // Blocks of up to kDotMaxRows rows take the dot-product tiles, larger ones (with an even I) the
 // outer products.
 constexpr int64_t kDotMaxRows = 16;
+static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
 // 1 where the bf16 forward below runs (AVX-512 F/BW/VL and AVX512_BF16, enabled by the OS).
 extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
