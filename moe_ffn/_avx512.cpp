@@ -729,30 +729,33 @@ constexpr int64_t kPackAhead = 8;    // pairs of w's rows prefetched ahead while
 // The operands as MatmulOf's: a = g [rows, O] (m = rows), b = w [O, I] (k = O, even), c = y.
 using InputGradBf16 = MatmulOf<bf16_t, bf16_t, bf16_t>;
 
-// w's rows [o0, o0 + depth) by columns [first, last) as pairs, one panel of kGradPanel columns
-// after another (the last one's columns past `last` zero): panel i holds
-// [p·kGradPanel + c] = (w[o0 + 2p, q + c], w[o0 + 2p + 1, q + c]) for q = first + i·kGradPanel.
-// Each of w's rows is read across the whole range at once (a panel at a time read 128 bytes of
-// each row, 2 KiB apart, and spent more time than the products: perf, 32-row blocks).
-void pack_grad_chunk(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t first, int64_t last,
-                     uint32_t* panels) {
+// src's rows [r0, r0 + depth) by columns [first, last) as pairs of rows (an odd depth's last row
+// paired with zeros), in panels of `width` columns (a multiple of 32; the last panel's columns
+// past `last` zero) `panel_words` apart: panel i holds [p·width + c] = (src[r0 + 2p, q + c],
+// src[r0 + 2p + 1, q + c]) for q = first + i·width. Each row is read across the whole range at
+// once (a panel at a time read 128 bytes of each row, 2 KiB apart, and spent more time than the
+// products: perf, 32-row blocks), the rows kPackAhead pairs on prefetched (src comes from memory).
+void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_t first, int64_t last, int64_t width,
+                int64_t panel_words, uint32_t* panels) {
   const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const int64_t panel_words = kGradDepth / 2 * kGradPanel;
-  for (int64_t pr = 0; pr < depth / 2; ++pr) {
-    const bf16_t* even = p.b + (o0 + 2 * pr) * p.ldb;
-    const bf16_t* odd = even + p.ldb;
-    if (pr + kPackAhead < depth / 2)  // the rows kPackAhead pairs on, line by line: w comes from memory
+  const int64_t pairs = (depth + 1) / 2, end = first + (last - first + width - 1) / width * width;
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const bf16_t* even = src + (r0 + 2 * pr) * ld;
+    const bf16_t* odd = even + ld;
+    const bool has_odd = 2 * pr + 1 < depth;
+    if (2 * (pr + kPackAhead) + 1 < depth)
       for (int64_t q = first; q < last; q += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * p.ldb + q), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * p.ldb + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * ld + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * ld + q), _MM_HINT_T0);
       }
-    for (int64_t q = first; q < last + (kGradPanel - 1) - ((last - first - 1) % kGradPanel); q += 32) {
+    for (int64_t q = first; q < end; q += 32) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, last - q));
       const __mmask32 lanes = static_cast<__mmask32>(n == 32 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
-      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + q), b = _mm512_maskz_loadu_epi16(lanes, odd + q);
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + q);
+      const __m512i b = has_odd ? _mm512_maskz_loadu_epi16(lanes, odd + q) : _mm512_setzero_si512();
       const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-      uint32_t* out = panels + (q - first) / kGradPanel * panel_words + pr * kGradPanel + (q - first) % kGradPanel;
+      uint32_t* out = panels + (q - first) / width * panel_words + pr * width + (q - first) % width;
       _mm512_storeu_si512(out, _mm512_permutex2var_epi32(lo, lower, hi));
       _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi32(lo, upper, hi));
     }
@@ -818,7 +821,7 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
   for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
     const int64_t depth = std::min(kGradDepth, p.k - o0);
     const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
-    pack_grad_chunk(p, o0, depth, first, last, scratch);
+    pack_pairs(p.b, p.ldb, o0, depth, first, last, kGradPanel, panel_words, scratch);
     for (int64_t i = 0; i < panels; ++i) {
       const int64_t q = first + i * kGradPanel, cols = std::min(kGradPanel, last - q);
       const uint32_t* panel = scratch + i * panel_words;
@@ -828,6 +831,75 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last) {
       else if (last_chunk) grad_rows<false, true>(p, panel, o0, depth, q, cols, panel_sums);
       else grad_rows<false, false>(p, panel, o0, depth, q, cols, panel_sums);
     }
+  }
+  return true;
+}
+
+// ---- bf16 weight gradients c = aᵀ·b of blocks past a few rows ------------------------------
+//
+// The sum runs over the block's rows, so both operands go in pairs of rows (pack_pairs): b's
+// rows over all of its columns, in panels of kGradPanel columns (each panel's pairs one run),
+// and a's over the thread's columns of a (its rows of c), one panel. Register tiles of 6 rows
+// of c by a panel's 64 columns (24 accumulators), each of a's pairs one broadcast, each tile's
+// whole sum over the rows in its registers (a bf16 c is rounded once), stored once (STREAM:
+// past the caches). a's pairs for the thread stay in L1/L2, b's panels in L2 while the thread's
+// rows of c pass over them row strip by row strip.
+using WeightGradBf16 = WeightGradOf<bf16_t, bf16_t, bf16_t>;
+
+template <int ROWS, bool STREAM>
+void wgrad_tile(const uint32_t* a_pairs, int64_t a_width, const uint32_t* panel, int64_t pairs, bf16_t* c,
+                int64_t ldc, int64_t cols) {
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    __m512bh b_p[4];
+    for (int j = 0; j < 4; ++j) b_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512bh a_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pairs[pr * a_width + i]));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a_i, b_p[j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+      if (n == 16) store16<STREAM>(c + i * ldc + 16 * j, acc[i][j]);
+      else if (n > 0) store16(c + i * ldc + 16 * j, acc[i][j], static_cast<__mmask16>((1u << n) - 1));
+    }
+}
+
+template <bool STREAM>
+void wgrad_strip(const uint32_t* a_pairs, int64_t a_width, int64_t rows, const uint32_t* panels, int64_t panel_words,
+                 int64_t pairs, const WeightGradBf16& p, int64_t r) {
+  for (int64_t q = 0; q < p.n; q += kGradPanel) {
+    const uint32_t* panel = panels + q / kGradPanel * panel_words;
+    bf16_t* c = p.c + r * p.ldc + q;
+    const int64_t cols = std::min(kGradPanel, p.n - q);
+    switch (rows) {
+      case 6: wgrad_tile<6, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      case 5: wgrad_tile<5, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      case 4: wgrad_tile<4, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      case 3: wgrad_tile<3, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      case 2: wgrad_tile<2, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      case 1: wgrad_tile<1, STREAM>(a_pairs, a_width, panel, pairs, c, p.ldc, cols); break;
+      default: break;
+    }
+  }
+}
+
+// c's rows [first, last), every column; false where the scratch could not be had.
+bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
+  const int64_t pairs = (p.k + 1) / 2, a_width = (last - first + 31) / 32 * 32;
+  const int64_t panel_words = pairs * kGradPanel, panels = (p.n + kGradPanel - 1) / kGradPanel;
+  auto* scratch = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * (pairs * a_width + panel_words * panels)));
+  if (scratch == nullptr) return false;
+  uint32_t* b_panels = scratch + pairs * a_width;
+  pack_pairs(p.a, p.lda, 0, p.k, first, last, a_width, 0, scratch);
+  pack_pairs(p.b, p.ldb, 0, p.k, 0, p.n, kGradPanel, panel_words, b_panels);
+  for (int64_t r = first; r < last; r += 6) {
+    const int64_t rows = std::min<int64_t>(6, last - r);
+    if (p.stream) wgrad_strip<true>(scratch + (r - first), a_width, rows, b_panels, panel_words, pairs, p, r);
+    else wgrad_strip<false>(scratch + (r - first), a_width, rows, b_panels, panel_words, pairs, p, r);
   }
   return true;
 }
@@ -880,5 +952,25 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int
                        const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
                                              stop - start, out_features, in_features};
                        return p.m == 0 || first >= last || grad_range(p, first, last);
+                     });
+}
+
+// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for bf16 a [rows, m], b [rows, n] into
+// expert e's bf16 gradient c_e [m, n] on bf16 pair products over packed pairs of rows (see
+// WeightGradBf16; table, checks, `stream` and c's layout as moe_ffn_avx512_weight_grad_blocks_bf16):
+// the threads split c's rows (6 at a time), each taking its share of every block. -1 where the
+// CPU lacks AVX512_BF16 or a thread's scratch could not be had (then c may be partly written).
+extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16_packed(const bf16_t* a, int64_t lda, const bf16_t* b,
+                                                             int64_t ldb, bf16_t* c, int64_t experts,
+                                                             int64_t c_expert, int64_t ldc, const int64_t* blocks,
+                                                             int64_t count, int64_t m, int64_t n, int stream,
+                                                             int threads, void* parallel, void* thread_num,
+                                                             void* num_threads) {
+  if (!bf16_ready() || m < 0 || n < 0 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last) {
+                       const WeightGradBf16 p{a + start * lda, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
+                                              stop - start, m, n, false, stream != 0};
+                       return first >= last || n == 0 || wgrad_range(p, first, last);
                      });
 }

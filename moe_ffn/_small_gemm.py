@@ -812,6 +812,17 @@ BF16_BLOCKS_MAX_ROWS = 8
 # 1.02 / 1.08 / 1.09 / 1.00×.
 BF16_INPUT_GRAD_MAX_ROWS = 512
 BF16_INPUT_GRAD_PACKED_FROM_ROWS = 2
+# Weight gradients of 4–128-row blocks: both operands' rows interleaved in bf16 pairs (the
+# output gradient's over the thread's rows of the result, the input's in panels of 64 columns),
+# 6×64 register tiles on bf16 dot products, each result's whole sum in registers, rounded to
+# bf16 once and stored once (streamed from 2^19 elements). Per product, 8 or 64 weights of the
+# benchmark's shapes, one call for all (9 rounds), GFLOP/s torch → kernel: 9 rows 143–166 →
+# 268–338, 16 rows 256–298 → 455–487, 32 rows 403–495 → 487–631, 64 rows 501–673 → 599–713,
+# 128 rows 643–680 → 733–821, 256 rows 821–835 → 799–813 (torch level or ahead from there); the
+# widening kernel at 1–8 rows (→ packed): 1 row 56–59 → 45–49, 4 rows 175–186 → 176–191, 8 rows
+# 259–264 → 315–332.
+BF16_WEIGHT_GRAD_MAX_ROWS = 128
+BF16_WEIGHT_GRAD_PACKED_FROM_ROWS = 4
 
 
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
@@ -838,7 +849,7 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 @functools.lru_cache(maxsize=None)
 def _bf16_blocks_entry_points():
     """The bf16 blocks entry points (input gradient, weight gradient, forward, input gradient on
-    packed panels) where they run: torch at AVX512 on a CPU with AVX512-BF16 and no AMX (AMX
+    packed panels, weight gradient on packed pairs) where they run: torch at AVX512 on a CPU with AVX512-BF16 and no AMX (AMX
     CPUs: _amx's kernels), the AVX-512 kernels built and ready; else None."""
     if not (
         _torch_on_avx512() and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
@@ -848,16 +859,17 @@ def _bf16_blocks_entry_points():
     points = _ready_entry_points(
         "moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_input_grad_blocks_bf16", "moe_ffn_avx512_weight_grad_blocks_bf16",
         "moe_ffn_avx512_linear_blocks_bf16", "moe_ffn_avx512_input_grad_blocks_bf16_packed",
+        "moe_ffn_avx512_weight_grad_blocks_bf16_packed",
     )
     if points is None:
         return None
-    input_grad, weight_grad, linear, input_grad_packed = points
+    input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed = points
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     team = [c_int, ptr, ptr, ptr]
     blocks_args = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
     input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
-    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
-    return input_grad, weight_grad, linear, input_grad_packed
+    weight_grad.argtypes = weight_grad_packed.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
+    return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed
 
 
 def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
@@ -917,10 +929,15 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
 def bf16_weight_grad_blocks(
     out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
 ) -> bool:
-    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), all bf16, in
-    one call, written over (old contents not read), each result rounded to bf16 once; returns
-    whether it ran (when False, `out_EMN` is untouched: also where any block accumulates)."""
-    found = _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate) if out_EMN.dim() == 3 else None
+    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), all bf16,
+    written over (old contents not read), each result rounded to bf16 once: blocks from
+    BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows in one call of the
+    packed-pairs kernel, the others in one call of the widening kernel; returns whether it ran
+    (when False, `out_EMN` is untouched: also where any block accumulates)."""
+    found = (
+        _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate, most=BF16_WEIGHT_GRAD_MAX_ROWS)
+        if out_EMN.dim() == 3 else None
+    )
     if found is None:
         return False
     E, M, N = out_EMN.shape
@@ -932,11 +949,15 @@ def bf16_weight_grad_blocks(
         M * N >= _BF16_STREAM_ELEMENTS and out_EMN.data_ptr() % 64 == 0
         and out_EMN.stride(0) % 32 == 0 and out_EMN.stride(1) % 32 == 0
     )
-    a32 = a.float()
-    _blocks_call(
-        found[0][1], blocks, accumulate, a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(),
-        E, out_EMN.stride(0), out_EMN.stride(1), M, N, int(stream), torch.get_num_threads(), *found[1],
-    )
+    small = [blk for blk in blocks if blk[2] - blk[1] < BF16_WEIGHT_GRAD_PACKED_FROM_ROWS]
+    large = [blk for blk in blocks if blk[2] - blk[1] >= BF16_WEIGHT_GRAD_PACKED_FROM_ROWS]
+    out = (out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1))
+    team = (M, N, int(stream), torch.get_num_threads(), *found[1])
+    if small:
+        a32 = a.float()  # (a few rows: broadcast from float32, not widened once per use)
+        _blocks_call(found[0][1], small, [False] * len(small), a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), *out, *team)
+    if large:
+        _blocks_call(found[0][4], large, [False] * len(large), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *out, *team)
     return True
 
 

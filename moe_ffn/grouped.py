@@ -1008,11 +1008,11 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
 
 def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
     """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (AVX512-BF16: bf16 blocks
-    of up to BF16_BLOCKS_MAX_ROWS rows; `again`: the block adds to its expert's first piece,
-    which the bf16 kernel does not do)."""
+    of up to BF16_WEIGHT_GRAD_MAX_ROWS rows; `again`: the block adds to its expert's first
+    piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
-    small = [s and not add for s, add in zip(_kernel_subset(blocks), again)]
+    small = [s and not add for s, add in zip(_kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS), again)]
     chosen = [(block, add) for block, add, s in zip(blocks, again, small) if s]
     if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, [c[0] for c in chosen], [c[1] for c in chosen]):
         return small

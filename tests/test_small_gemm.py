@@ -893,8 +893,39 @@ def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
     assert same_bits(grads[0])
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (97, 300), (1024, 512), (520, 1024)])
+@pytest.mark.parametrize("own", [False, True])
+def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape, own):
+    """Blocks of BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows on the
+    packed-pairs kernel (odd row counts: the last row paired with zeros; 4 and 128 rows, the
+    ends), with one- and three-row blocks on the widening kernel in the same call: tiles of 6
+    rows of the result and their tails, panels of 64 columns and the last part-full one; written
+    over old contents (NaN), streaming (own, the two largest) or into a slice with odd strides;
+    experts without a block untouched; one thread gives the same."""
+    _needs_bf16_blocks()
+    M, N = shape
+    blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, 178), (5, 178, 182), (6, 182, 185)]
+    assert 182 - 178 == _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS and 178 - 50 == _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS
+    torch.manual_seed(5)
+    a, b = torch.randn(185, M).bfloat16(), torch.randn(185, N).bfloat16()
+    whole = torch.full((8, M, N + (0 if own else 3)), float("nan"), dtype=torch.bfloat16)
+    out = whole if own else whole[:, :, 1 : N + 1]
+    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, blocks, [False] * len(blocks))
+    for e, start, stop in blocks:
+        exact = a[start:stop].double().t() @ b[start:stop].double()
+        bound = _bound(a[start:stop].double().abs().t(), b[start:stop].double().abs(), stop - start)
+        _bf16_within_one_rounding(out[e], exact, bound)
+    assert whole[4].isnan().all() and whole[7].isnan().all()
+    if not own:
+        assert whole[:, :, 0].isnan().all() and whole[:, :, N + 1 :].isnan().all()
+    single = torch.full_like(out, float("nan"))
+    assert _on_one_thread(lambda: _small_gemm.bf16_weight_grad_blocks(single, a, b, blocks, [False] * len(blocks)))
+    experts = [e for e, _, _ in blocks]
+    assert torch.equal(single[experts], out[experts])
+
+
 def test_bf16_blocks_kernels_decline_what_they_do_not_take():
-    """Blocks past BF16_BLOCKS_MAX_ROWS, a block accumulating, float32 tensors: False, nothing
+    """Blocks past the kernels' most rows, a block accumulating, float32 tensors: False, nothing
     written; shapes that do not fit: an error naming them."""
     _needs_bf16_blocks()
     most = _small_gemm.BF16_BLOCKS_MAX_ROWS
@@ -909,7 +940,9 @@ def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     assert not _small_gemm.bf16_input_grad_blocks(out.float(), g.float(), w.float(), [(0, 0, 1)])
     grads = torch.full((2, 24, 40), 7.0, dtype=torch.bfloat16)
     x = torch.randn(most + 1, 40).bfloat16()
-    assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, most + 1)], [False])
+    most_w = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS
+    g_w, x_w = torch.randn(most_w + 2, 24).bfloat16(), torch.randn(most_w + 2, 40).bfloat16()  # (a block one row past)
+    assert not _small_gemm.bf16_weight_grad_blocks(grads, g_w, x_w, [(0, 0, 1), (1, 1, most_w + 2)], [False, False])
     assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, 2), (0, 2, 4)], [False, True])
     assert bool((out == 7).all()) and bool((grads == 7).all())
     with pytest.raises(ValueError, match="do not fit"):
