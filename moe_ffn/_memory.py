@@ -10,6 +10,14 @@ page faults were most of a training step. Asking the kernel for 2 MiB pages on t
 before touching it (`madvise(MADV_HUGEPAGE)`) cut that first touch 3.5× (224 MiB zero-fill:
 99 ms → 29 ms) and a Mixtral-shaped fp32 forward+backward at T = 1 from 237 to 75 ms.
 
+Not every machine gains: on the 2-core AMD EPYC of family 26 (2026-12-03) huge pages were
+5–18× slower to fault in than 4 KiB pages (first touch of 8 MiB: 1.9–2.7 ms plain, 37–40 ms
+advised; 64 MiB: 14–16 against 85–289 ms), and the advice on each step's fresh [T, D]
+accumulators cost bf16 forward+backward at T = 2048 4–12 % (interleaved A/B in one process:
+Mixtral 426 → 409 ms, fine-grained 313 → 279; T = 256 level). So the advice is given only
+where `huge_pages_pay()` finds huge pages faulting in at least as fast (a one-time probe,
+or MOE_FFN_HUGE_PAGES=1 / 0 to decide without one).
+
 Zero-filled buffers (`zeros`) are the weight gradients: an expert that received no rows has an
 exact zero gradient, and of E = 64 experts a decode-sized step touches 8. `torch.zeros` writes
 every zero (and faults in every page to do it); here the buffer is a fresh private anonymous
@@ -41,6 +49,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 
 import torch
 from torch import Tensor
@@ -66,13 +75,52 @@ def _madvise():
     return madvise
 
 
+def _first_touch_seconds(advise: bool) -> float:
+    """Seconds to write a fresh mapping's aligned 4 MiB (two huge pages) for the first time,
+    asked for huge pages or not."""
+    buffer = mmap.mmap(-1, 3 * _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    try:
+        whole = torch.frombuffer(buffer, dtype=torch.uint8)
+        offset = -whole.data_ptr() % _HUGE_PAGE
+        if advise:
+            _madvise()(whole.data_ptr() + offset, 2 * _HUGE_PAGE, _MADV_HUGEPAGE)
+        interior = whole[offset : offset + 2 * _HUGE_PAGE]
+        start = time.perf_counter()
+        interior.fill_(1)
+        seconds = time.perf_counter() - start
+        del whole, interior
+    finally:
+        buffer.close()
+    return seconds
+
+
+@functools.lru_cache(maxsize=None)
+def huge_pages_pay() -> bool:
+    """Whether fresh buffers are asked for huge pages here: MOE_FFN_HUGE_PAGES=1 or 0 if set
+    (read once per process); else whether madvise is available and huge pages faulted in at
+    least as fast as 4 KiB pages, the better of two first touches of 4 MiB each (module doc;
+    ~2 ms where they pay, ~45 ms once where they do not)."""
+    setting = os.environ.get("MOE_FFN_HUGE_PAGES")
+    if setting in ("0", "1"):
+        return setting == "1"
+    if _madvise() is None:
+        return False
+    try:
+        plain = min(_first_touch_seconds(False) for _ in range(2))
+        advised = min(_first_touch_seconds(True) for _ in range(2))
+    except (OSError, ValueError, BufferError):
+        return False
+    return advised <= plain
+
+
 def advise_huge_pages(t: Tensor) -> Tensor:
-    """Ask for huge pages on the untouched memory of a freshly allocated CPU tensor; returns t.
+    """Ask for huge pages on the untouched memory of a freshly allocated CPU tensor, where they
+    pay (`huge_pages_pay`); returns t.
 
     Call it before writing to `t`: pages already faulted in keep their size.
     """
     nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < _MIN_BYTES or torch.compiler.is_compiling():
+    if t.device.type != "cpu" or nbytes < _MIN_BYTES or torch.compiler.is_compiling() or not huge_pages_pay():
         return t
     madvise = _madvise()
     if madvise is None:
@@ -118,14 +166,15 @@ def _mappable(like: Tensor, nbytes: int) -> bool:
 
 
 def _map(nbytes: int) -> mmap.mmap | None:
-    """A fresh private anonymous mapping on huge pages, or None where none can be made."""
+    """A fresh private anonymous mapping (on huge pages where they pay), or None where none can
+    be made."""
     # MAP_PRIVATE: copy-on-write anonymous memory, zero-page backed until written (MAP_SHARED
     # anonymous memory would be shmem, which allocates on read).
     try:
         buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     except OSError:  # e.g. a map count limit: torch's allocator may still find the memory
         return None
-    if hasattr(buffer, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(buffer, "madvise") and hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_pay():
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return buffer
 

@@ -49,7 +49,8 @@ def _fresh_floats(n: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
                     reason="needs Linux with transparent huge pages in madvise or always mode")
-def test_advised_buffers_are_backed_by_huge_pages_once_touched():
+def test_advised_buffers_are_backed_by_huge_pages_once_touched(monkeypatch):
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)  # (whatever this machine's probe says)
     t = _memory.advise_huge_pages(_fresh_floats(16 << 20))  # 64 MiB
     t.fill_(1.0)
     assert _huge_kib_at(t.data_ptr() + t.numel() * 2) >= 2048
@@ -61,6 +62,7 @@ def test_advised_buffers_are_backed_by_huge_pages_once_touched():
 
 def test_large_empty_buffers_are_advised_on_their_aligned_interior(monkeypatch):
     calls = []
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
     monkeypatch.setattr(_memory, "_madvise", lambda: lambda *a: calls.append(a))
     t = _memory.empty(torch.empty(0), 16 << 20)
     [(start, length, advice)] = calls
@@ -71,12 +73,41 @@ def test_large_empty_buffers_are_advised_on_their_aligned_interior(monkeypatch):
 
 def test_small_buffers_are_left_alone(monkeypatch):
     calls = []
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
     monkeypatch.setattr(_memory, "_madvise", lambda: lambda *a: calls.append(a))
     _memory.empty(torch.empty(0), 1000)
     assert calls == []
     _memory.empty(torch.empty(0), 4 << 20)
     (start, length, advice), = calls
     assert start % (2 << 20) == 0 and length % (2 << 20) == 0 and advice == 14
+
+
+def test_no_advice_where_huge_pages_do_not_pay(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_memory, "_madvise", lambda: lambda *a: calls.append(a))
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: False)
+    t = _memory.empty(torch.empty(0), 16 << 20)
+    assert calls == [] and t.shape == (16 << 20,)
+
+
+@pytest.mark.parametrize("plain, advised, expected", [(1.0, 5.0, False), (2.0, 1.0, True), (1.0, 1.0, True)])
+def test_huge_pages_pay_where_they_fault_in_at_least_as_fast(monkeypatch, plain, advised, expected):
+    """The probe's decision from its two timings (faked here), and the environment's setting
+    over any probe."""
+    monkeypatch.delenv("MOE_FFN_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(_memory, "_madvise", lambda: lambda *a: 0)
+    monkeypatch.setattr(_memory, "_first_touch_seconds", lambda advise: advised if advise else plain)
+    assert _memory.huge_pages_pay.__wrapped__() is expected
+    for setting, decided in (("0", False), ("1", True)):
+        monkeypatch.setenv("MOE_FFN_HUGE_PAGES", setting)
+        assert _memory.huge_pages_pay.__wrapped__() is decided
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs madvise")
+def test_first_touch_probe_times_a_real_first_touch():
+    for advise in (False, True):
+        seconds = _memory._first_touch_seconds(advise)
+        assert 0 < seconds < 5
 
 
 def _rss_kib_at(address: int) -> int:
@@ -109,6 +140,12 @@ def test_idle_experts_gradients_are_exact_zeros_never_written():
     g = torch.randn(1, 256, dtype=torch.float64)
     moe(x).backward(g)
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    for grad in (gate_up.grad, down.grad):  # (before the checks below read them: on 4 KiB pages
+        # those reads mapped pages here, 2026-12-03, where on huge pages they map the zero page)
+        resident = _rss_kib_at(grad.data_ptr()) * 1024
+        one_expert = grad[0].numel() * grad.element_size()
+        # the active expert's slice, rounded out to whole (huge) pages
+        assert resident <= one_expert + 2 * (2 << 20), (resident, grad.numel() * grad.element_size())
     ref_gate_up, ref_down = (p.detach().clone().requires_grad_() for p in (gate_up, down))
     ref = moe_forward(x, moe.router.weight.detach(), ref_gate_up, ref_down, 1)
     ref.backward(g)
@@ -117,12 +154,6 @@ def test_idle_experts_gradients_are_exact_zeros_never_written():
     (active,) = moe.stats.expert_ids_TK[0].tolist()
     idle = [e for e in range(32) if e != active]
     assert (gate_up.grad[idle] == 0).all() and (down.grad[idle] == 0).all()
-    for grad in (gate_up.grad, down.grad):
-        resident = _rss_kib_at(grad.data_ptr()) * 1024
-        one_expert = grad[0].numel() * grad.element_size()
-        # the active expert's slice, rounded out to whole (huge) pages; the reads above of the
-        # idle experts map the kernel's shared zero page, which is not counted as resident
-        assert resident <= one_expert + 2 * (2 << 20), (resident, grad.numel() * grad.element_size())
 
 
 # --- a weight's gradient memory, kept for its next gradient ---------------------------------
