@@ -842,6 +842,10 @@ def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
 # 749–805; the bf16 GEMM probe reads 885–896 here). In the layer, forward, interleaved A/B in
 # one process against the kernel to 16 rows and torch past them (9 rounds): Mixtral T = 256 /
 # 2048 1.07 / 1.35×, fine 1.43 / 1.06×; forward+backward (5 rounds) 0.97–1.08× (noise).
+# Since 9f10acc and 75a434c (2026-12-03) the outer products go over packed groups of 16 rows in
+# register tiles of 3 or 2 groups (a block computes fewer than 16 rows it does not need, where
+# 32-row tiles computed up to 31: 33 rows 310–437 → 370–557 GFLOP/s, 48 rows 426–606 → 519–776)
+# and each tile prefetches the next tile's rows of w (32 rows 507–764 → 650–826).
 BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
 
