@@ -628,7 +628,7 @@ void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
 // rows by 24 / V rows of w (24 accumulators), each tile's whole sum over I in its registers,
 // then stored transposed through a small buffer. A block's groups (two or more: smaller blocks
 // take the dot-product tiles) go into tiles of 3, then of 2 for the rest (3 + 2 + 2 where 3 + 1
-// would leave a tile of 1: 24 broadcasts for 24 products ran at 0.6-0.75× the dot tiles' rate
+// would leave a tile of 1: 24 broadcasts for 24 products ran at 0.6–0.75× the dot tiles' rate
 // at 16 rows; tiles of 4 were no faster than two of 2). A block thus computes less than 16 rows
 // it does not need; tiles of a fixed 32 rows computed up to 31 (33 rows ran at 0.70× the rate
 // of 32, 48 at 0.8×). Every row tile of x passes over the thread's rows of w (from the caches:
@@ -637,7 +637,7 @@ constexpr int64_t kGroupRows = 16;
 
 // next (or nullptr): the next tile's COLS rows of w, prefetched line by line as this tile runs
 // (row j's line l at step 16·l + j): each tile reads its rows of w once, from memory where no
-// earlier row tile of the block has (per product, 32 rows: 507–639 → 650–796 GFLOP/s; level
+// earlier row tile of the block has (per product, 32 rows: 507–764 → 650–826 GFLOP/s; level
 // from 256 rows, where every chunk of w passes through several row tiles from L2).
 template <int V, int COLS>
 void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y,
@@ -772,9 +772,6 @@ void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_
   }
 }
 
-// ROWS rows of g from r over one chunk [o0, o0 + depth) of the panel; `sums` [rows][kGradPanel]
-// float32 carried between chunks (FIRST: not read; LAST: the results rounded into y's columns
-// [q, q + cols) instead of written back).
 // The lines of a range of rows of w (each row `bytes` from `at`, rows ld apart), prefetched one
 // per call of step(), one per pair step of the tiles: the next chunk's rows (or the next
 // block's first chunk) come in while this chunk's products run, where they came in only as the
@@ -795,6 +792,9 @@ struct RowLines {
   }
 };
 
+// ROWS rows of g from r over one chunk [o0, o0 + depth) of the panel; `sums` [rows][kGradPanel]
+// float32 carried between chunks (FIRST: not read; LAST: the results rounded into y's columns
+// [q, q + cols) instead of written back).
 template <int ROWS, bool FIRST, bool LAST>
 void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t o0, int64_t depth, int64_t q,
                int64_t cols, float* sums, RowLines& ahead) {

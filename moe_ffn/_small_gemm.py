@@ -853,8 +853,9 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 @functools.lru_cache(maxsize=None)
 def _bf16_blocks_entry_points():
     """The bf16 blocks entry points (input gradient, weight gradient, forward, input gradient on
-    packed panels, weight gradient on packed pairs) where they run: torch at AVX512 on a CPU with AVX512-BF16 and no AMX (AMX
-    CPUs: _amx's kernels), the AVX-512 kernels built and ready; else None."""
+    packed panels, weight gradient on packed pairs) where they run: torch at AVX512 on a CPU
+    with AVX512-BF16 and no AMX (AMX CPUs: _amx's kernels), the AVX-512 kernels built and
+    ready; else None."""
     if not (
         _torch_on_avx512() and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
         and _avx512_entry_points() is not None
@@ -872,7 +873,8 @@ def _bf16_blocks_entry_points():
     team = [c_int, ptr, ptr, ptr]
     blocks_args = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
     input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
-    weight_grad.argtypes = weight_grad_packed.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
+    weight_grads_args = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
+    weight_grad.argtypes = weight_grad_packed.argtypes = weight_grads_args
     return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed
 
 
@@ -959,9 +961,13 @@ def bf16_weight_grad_blocks(
     team = (M, N, int(stream), torch.get_num_threads(), *found[1])
     if small:
         a32 = a.float()  # (a few rows: broadcast from float32, not widened once per use)
-        _blocks_call(found[0][1], small, [False] * len(small), a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), *out, *team)
+        _blocks_call(
+            found[0][1], small, [False] * len(small), a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), *out, *team
+        )
     if large:
-        _blocks_call(found[0][4], large, [False] * len(large), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *out, *team)
+        _blocks_call(
+            found[0][4], large, [False] * len(large), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *out, *team
+        )
     return True
 
 

@@ -1012,7 +1012,8 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
     piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
-    small = [s and not add for s, add in zip(_kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS), again)]
+    fits = _kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS)
+    small = [s and not add for s, add in zip(fits, again)]
     chosen = [(block, add) for block, add, s in zip(blocks, again, small) if s]
     if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, [c[0] for c in chosen], [c[1] for c in chosen]):
         return small
