@@ -989,7 +989,7 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     return out, h_NH
 
 
-def _kernel_subset(blocks: list, most: int = _small_gemm.BF16_BLOCKS_MAX_ROWS) -> list[bool]:
+def _kernel_subset(blocks: list, most: int) -> list[bool]:
     """Which of the blocks the bf16 kernels take (1 to `most` rows)."""
     return [stop - start <= most for _, start, stop in blocks]
 
@@ -1014,8 +1014,8 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
         return [True] * len(blocks)
     fits = _kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS)
     small = [s and not add for s, add in zip(fits, again)]
-    chosen = [(block, add) for block, add, s in zip(blocks, again, small) if s]
-    if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, [c[0] for c in chosen], [c[1] for c in chosen]):
+    chosen = [block for block, s in zip(blocks, small) if s]
+    if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, chosen, [False] * len(chosen)):
         return small
     return [False] * len(blocks)
 
