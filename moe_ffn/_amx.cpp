@@ -546,7 +546,7 @@ using Swiglu = moe_ffn_team::Swiglu<uint16_t>;
 // float32): act = silu(g) = g / (1 + e^-g), a = act·u, the products a·da summed for dweight
 // (and the sum), the routing weight (cast to bf16), dav = da·w, dav·u, and both halves of dh,
 // silu_backward's as torch forms it: (dy·s)·(1 + g·(1 − s)) with s = 1 / (1 + e^-g).
-void swiglu_row(const Swiglu& p, int64_t r) {
+void swiglu_row(const Swiglu& p, int64_t r, int64_t ahead) {  // ahead: see swiglu_row_ahead
   const uint16_t* gate = p.h + r * p.ldh;
   const uint16_t* up = gate + p.features;
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -555,6 +555,7 @@ void swiglu_row(const Swiglu& p, int64_t r) {
   for (int64_t f = 0; f < p.features; f += 16) {
     const int64_t n = std::min<int64_t>(16, p.features - f);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    if ((f & 31) == 0) moe_ffn_team::swiglu_prefetch(p, ahead, f);  // (32 bf16: one line)
     const __m512 g = load16(gate + f, mask), u = load16(up + f, mask);
     const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m512 act = rounded(_mm512_div_ps(g, denominator));
@@ -587,7 +588,7 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(rows, 1, t, n, &first, &last);
-    for (int64_t r = first; r < last; ++r) swiglu_row(p, r);
+    for (int64_t r = first; r < last; ++r) swiglu_row(p, r, moe_ffn_team::swiglu_row_ahead(p, r, last));
   });
   return 0;
 }

@@ -1274,7 +1274,7 @@ inline __m256 round_to_bf16_values(__m256 v) { return _mm256_castsi256_ps(_mm256
 // where grouped._hidden / _hidden_backward's ops round them (dweight from the rounded a and
 // the unscaled da), so that the layer makes one pass where those ops made seven to ten.
 template <bool ROUND>
-void swiglu_row(const Swiglu& p, int64_t r) {
+void swiglu_row(const Swiglu& p, int64_t r, int64_t ahead) {  // ahead: see swiglu_row_ahead
   auto round = [](__m256 v) { return ROUND ? round_to_bf16_values(v) : v; };
   const float* gate = p.h + r * p.ldh;
   const float* up = gate + p.features;
@@ -1284,6 +1284,7 @@ void swiglu_row(const Swiglu& p, int64_t r) {
   for (int64_t f = 0; f < p.features; f += 8) {
     const int64_t n = std::min<int64_t>(8, p.features - f);
     const __m256i mask = first_lanes(n);
+    if ((f & 15) == 0) moe_ffn_team::swiglu_prefetch(p, ahead, f);  // (16 floats: one line)
     const __m256 g = load_n(gate + f, n, mask), u = load_n(up + f, n, mask);
     const __m256 denominator = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
     const __m256 act = _mm256_div_ps(g, denominator);
@@ -1309,7 +1310,10 @@ int swiglu(const Swiglu& p, int64_t rows, bool round_bf16, int threads, const Te
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(rows, 1, t, n, &first, &last);
-    for (int64_t r = first; r < last; ++r) round_bf16 ? swiglu_row<true>(p, r) : swiglu_row<false>(p, r);
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t ahead = moe_ffn_team::swiglu_row_ahead(p, r, last);
+      round_bf16 ? swiglu_row<true>(p, r, ahead) : swiglu_row<false>(p, r, ahead);
+    }
   });
   return 0;
 }

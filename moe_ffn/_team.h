@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cpuid.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -100,5 +101,31 @@ struct Swiglu {
   float* dweight;  // [rows] out: sum over f of a·da before the scaling (null: not wanted)
   int64_t features;
 };
+
+// The SwiGLU passes read their inputs ahead: while row r's line at column f is worked on, the
+// same lines of gate, up and da of a row ~512 elements later are prefetched into L1 (rows of
+// 512 or more elements: the next row). Without it the passes stalled on memory wherever h had
+// left the cache (in the layer it always has: the projections stream the weights in between):
+// on the 2-core EPYC (Zen 5), bf16, caches evicted before each call, 1014 rows × F = 512
+// backward 1.29 → 0.47 ms, forward 0.75 → 0.28 (the same as with the rows in cache); 131 × 3584
+// 0.77 → 0.42 and 0.43 → 0.24. A distance of 1024 or 2048 elements was no faster, and
+// prefetching the outputs' lines for writing neither.
+template <typename T>
+inline int64_t swiglu_row_ahead(const Swiglu<T>& p, int64_t r, int64_t last) {
+  const int64_t ahead = r + std::max<int64_t>(1, (511 + p.features) / std::max<int64_t>(1, p.features));
+  return ahead < last ? ahead : -1;
+}
+
+// Prefetch row `ahead`'s line at column f of gate, up and (backward) da; none where ahead < 0.
+// Always inlined: called from a kernel's AVX-512 target region it was not inlined, and GCC,
+// finding a function whose only effects are prefetches free of side effects, dropped the calls.
+template <typename T>
+__attribute__((always_inline)) inline void swiglu_prefetch(const Swiglu<T>& p, int64_t ahead, int64_t f) {
+  if (ahead < 0) return;
+  const T* gate = p.h + ahead * p.ldh + f;
+  _mm_prefetch(reinterpret_cast<const char*>(gate), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(gate + p.features), _MM_HINT_T0);
+  if (p.da) _mm_prefetch(reinterpret_cast<const char*>(p.da + ahead * p.ldda + f), _MM_HINT_T0);
+}
 
 }  // namespace moe_ffn_team
