@@ -901,6 +901,26 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_
   return true;
 }
 
+// 32 float32 values (lo, then hi) rounded to bf16 as to_bf16 rounds them, stored at `at`. The
+// instruction (vcvtne2ps2bf16, one for 32 values where to_bf16 takes seven steps for 16) rounds
+// to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
+// (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
+// is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
+// itself, so in the weight gradient below the fallback is NaN's. Per product, 8 or 64 weights
+// of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
+// 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
+template <bool STREAM>
+inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
+  constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // quiet NaN, signalling NaN, subnormal
+  __m512i bits;
+  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
+    bits = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+  else
+    bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
+  else _mm512_storeu_si512(at, bits);
+}
+
 // ---- bf16 weight gradients c = aᵀ·b of blocks past a few rows ------------------------------
 //
 // The sum runs over the block's rows, so both operands go in pairs of rows (pack_pairs): b's
@@ -925,6 +945,11 @@ void wgrad_tile(const uint32_t* a_pairs, int64_t a_width, const uint32_t* panel,
       const __m512bh a_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pairs[pr * a_width + i]));
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a_i, b_p[j]);
     }
+  }
+  if (cols == kGradPanel) {  // whole lines of c: 32 sums a conversion
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < 4; j += 2) store32<STREAM>(c + i * ldc + 16 * j, acc[i][j], acc[i][j + 1]);
+    return;
   }
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < 4; ++j) {

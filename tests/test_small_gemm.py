@@ -924,6 +924,35 @@ def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(s
     assert torch.equal(single[experts], out[experts])
 
 
+@pytest.mark.parametrize("N", [128, 1 << 16])
+def test_bf16_packed_weight_grad_rounds_whole_panels_as_torch_does(N):
+    """The packed weight gradient's whole panels (64 columns: one rounding instruction for 32
+    sums) round as torch's bf16 does, bit for bit: ties to even both ways, inf − inf to 0x7FC0
+    (the instruction alone would keep x86's NaN 0xFFC0), a NaN among ordinary sums not spilling
+    onto them; the rest within one rounding of float64. N = 2^16: 8 × N elements, streamed."""
+    _needs_bf16_blocks()
+    M, h = 8, 2.0**-8
+    torch.manual_seed(11)
+    a = torch.ones(4, M, dtype=torch.bfloat16)
+    b = torch.randn(4, N).bfloat16()
+    special = {  # column: b's four rows (a's rows are ones: c[:, col] is their sum)
+        0: [float("inf"), -float("inf"), 0, 0], 1: [1, h, 0, 0], 2: [1 + 2 * h, h, 0, 0],
+        40: [-1, -h, 0, 0], 63: [-(1 + 2 * h), -h, 0, 0], 64 + 17: [float("inf"), 0, -float("inf"), 0],
+    }
+    for col, rows in special.items():
+        b[:, col] = torch.tensor(rows, dtype=torch.bfloat16)
+    want = {0: 0x7FC0, 1: 0x3F80, 2: 0x3F82, 40: 0xBF80 - 0x10000, 63: 0xBF82 - 0x10000, 64 + 17: 0x7FC0}
+    out = torch.full((2, M, N), 7.0, dtype=torch.bfloat16)
+    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, [(1, 0, 4)], [False])
+    bits = out[1].view(torch.int16)
+    for col, value in want.items():
+        assert (bits[:, col] == value).all(), (col, bits[:, col])
+    ordinary = [c for c in range(N) if c not in special]
+    exact = (a.double().t() @ b.double())[:, ordinary]
+    _bf16_within_one_rounding(out[1][:, ordinary], exact, _bound(a.double().t().abs(), b.double().abs(), 4)[:, ordinary])
+    assert bool((out[0] == 7).all())
+
+
 def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     """Blocks past the kernels' most rows, a block accumulating, float32 tensors: False, nothing
     written; shapes that do not fit: an error naming them."""
