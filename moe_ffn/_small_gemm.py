@@ -823,7 +823,11 @@ BF16_INPUT_GRAD_PACKED_FROM_ROWS = 2
 # 259–264 → 315–332. Whole panels rounded 32 sums an instruction since 2026-12-03 (_avx512.cpp,
 # store32): 64 rows 676–780 → 718–846 GFLOP/s; layer bf16 forward+backward (interleaved A/B,
 # 7 rounds, with the SwiGLU prefetch) Mixtral T = 64 / 256 1.10 / 1.02×, fine 1.06 / 1.06×.
-BF16_WEIGHT_GRAD_MAX_ROWS = 128
+# Then to 320 rows (was 128): torch → kernel 256 rows 733–817 → 771–852 GFLOP/s; at 512 rows
+# level (751–845 against 760–835), at 1024 behind (688–864 against 723–818). Fine-grained bf16
+# forward+backward at T = 2048 (blocks of ~256 rows), constant A/B in one process: 1.037× (7
+# rounds), 1.084× (11).
+BF16_WEIGHT_GRAD_MAX_ROWS = 320
 BF16_WEIGHT_GRAD_PACKED_FROM_ROWS = 4
 
 

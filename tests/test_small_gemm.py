@@ -897,17 +897,18 @@ def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
 @pytest.mark.parametrize("own", [False, True])
 def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape, own):
     """Blocks of BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows on the
-    packed-pairs kernel (odd row counts: the last row paired with zeros; 4 and 128 rows, the
-    ends), with one- and three-row blocks on the widening kernel in the same call: tiles of 6
+    packed-pairs kernel (odd row counts: the last row paired with zeros; both ends of its
+    rows), with one- and three-row blocks on the widening kernel in the same call: tiles of 6
     rows of the result and their tails, panels of 64 columns and the last part-full one; written
     over old contents (NaN), streaming (own, the two largest) or into a slice with odd strides;
     experts without a block untouched; one thread gives the same."""
     _needs_bf16_blocks()
     M, N = shape
-    blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, 178), (5, 178, 182), (6, 182, 185)]
-    assert 182 - 178 == _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS and 178 - 50 == _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS
+    most, least = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS, _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS
+    end = 50 + most  # (block 3 the most rows, block 5 the fewest of the packed kernel)
+    blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, end), (5, end, end + least), (6, end + least, end + least + 3)]
     torch.manual_seed(5)
-    a, b = torch.randn(185, M).bfloat16(), torch.randn(185, N).bfloat16()
+    a, b = torch.randn(end + least + 3, M).bfloat16(), torch.randn(end + least + 3, N).bfloat16()
     whole = torch.full((8, M, N + (0 if own else 3)), float("nan"), dtype=torch.bfloat16)
     out = whole if own else whole[:, :, 1 : N + 1]
     assert _small_gemm.bf16_weight_grad_blocks(out, a, b, blocks, [False] * len(blocks))
