@@ -1318,6 +1318,77 @@ int swiglu(const Swiglu& p, int64_t rows, bool round_bf16, int threads, const Te
   return 0;
 }
 
+// ---- The routed layer's sum over each token's slots -----------------------------------------
+//
+// out[token[i], :] += src[i, :]·weight[i] (weight null: += src[i, :]) for i = 0, 1, … in order,
+// out float32, src float32 or bf16 (widened exactly), the product rounded once and then added:
+// torch.mul into a float32 temporary and index_add_ in one pass, without the temporary (and
+// without index_add_'s [rows, cols] expansion of the index). The threads split the columns, so
+// each element's additions keep the rows' order: the same on any number of threads.
+struct ScatterAdd {
+  float* out;
+  int64_t ldo;
+  const int64_t* token;
+  const void* src;  // float32 or bf16 rows, lds apart
+  int64_t lds;
+  const float* weight;
+  int64_t rows, cols;
+};
+
+template <bool BF16>
+inline __m256 load_src8(const void* row, int64_t c) {
+  if (BF16) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(row) + c);
+}
+
+template <bool BF16>
+inline float load_src1(const void* row, int64_t c) {
+  if (!BF16) return static_cast<const float*>(row)[c];
+  const uint32_t bits = uint32_t{static_cast<const uint16_t*>(row)[c]} << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <bool BF16>
+void scatter_add_columns(const ScatterAdd& p, int64_t c0, int64_t c1) {
+  const int64_t whole = c0 + (c1 - c0) / 8 * 8;
+  const int64_t src_bytes = BF16 ? 2 : 4;
+  for (int64_t i = 0; i < p.rows; ++i) {
+    float* dst = p.out + p.token[i] * p.ldo;
+    const void* row = static_cast<const char*>(p.src) + i * p.lds * src_bytes;
+    const float w = p.weight ? p.weight[i] : 1.0f;
+    const __m256 wv = _mm256_set1_ps(w);
+    for (int64_t c = c0; c < whole; c += 8) {
+      __m256 v = load_src8<BF16>(row, c);
+      if (p.weight) v = _mm256_mul_ps(v, wv);
+      __asm__("" : "+x"(v));  // the product rounded on its own: g++ fuses a product and a sum into an FMA
+      _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_loadu_ps(dst + c), v));
+    }
+    for (int64_t c = whole; c < c1; ++c) {
+      float v = p.weight ? load_src1<BF16>(row, c) * w : load_src1<BF16>(row, c);
+      __asm__("" : "+x"(v));
+      dst[c] += v;
+    }
+  }
+}
+
+int scatter_add(const ScatterAdd& p, bool bf16, int threads, const Team& team) {
+  // at least 2^15 elements a thread (as the SwiGLU passes), columns in whole 64-byte lines
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, p.rows * p.cols >> 15));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(p.cols, 16, t, n, &first, &last);
+    if (first >= last) return;
+    if (bf16) scatter_add_columns<true>(p, first, last);
+    else scatter_add_columns<false>(p, first, last);
+  });
+  return 0;
+}
+
 }  // namespace
 
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
@@ -1668,3 +1739,19 @@ extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const fl
   return dh && da ? swiglu(p, rows, round_bf16 != 0, threads, team) : -1;
 }
 
+
+// out[token[i], :] += src[i, :]·weight[i] (weight null: += src[i, :]) for float32 out [out_rows,
+// cols] (ldo), int64 token [rows], float32 or bf16 (src_bf16) src [rows, cols] (lds), float32
+// weight [rows] (see scatter_add_columns). Returns 0, or -1 before writing anything where a token
+// is outside [0, out_rows).
+extern "C" int moe_ffn_scatter_add_rows(float* out, int64_t ldo, int64_t out_rows, const int64_t* token,
+                                        const void* src, int src_bf16, int64_t lds, const float* weight,
+                                        int64_t rows, int64_t cols, int threads, void* parallel, void* thread_num,
+                                        void* num_threads) {
+  if (rows < 0 || cols < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < rows; ++i)
+    if (token[i] < 0 || token[i] >= out_rows) return -1;
+  if (rows == 0 || cols == 0) return 0;
+  const ScatterAdd p{out, ldo, token, src, lds, weight, rows, cols};
+  return scatter_add(p, src_bf16 != 0, threads, moe_ffn_team::make_team(parallel, thread_num, num_threads));
+}

@@ -229,6 +229,7 @@ def library() -> Optional[ctypes.CDLL]:
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         product_bf16b = lib.moe_ffn_product_bf16b
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
+        scatter_add = lib.moe_ffn_scatter_add_rows
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -249,7 +250,8 @@ def library() -> Optional[ctypes.CDLL]:
     swiglu_backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_int] + team
     product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
     product_bf16b.argtypes = product_bf16.argtypes
-    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward):
+    scatter_add.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64] + team
+    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add):
         fn.restype = ctypes.c_int
     return lib
 
@@ -1025,6 +1027,40 @@ def swiglu(h: Tensor, round_bf16: bool = False) -> Optional[Tensor]:
         h.data_ptr(), h.stride(0), a.data_ptr(), a.stride(0), rows, F, int(round_bf16), torch.get_num_threads(), *openmp
     )
     return a if status == 0 else None
+
+
+def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor] = None) -> bool:
+    """out[token[i]] += src[i]·weight[i] (weight None: += src[i]) for i in order, by the kernel:
+    float32 out [T, D], int64 token [n], float32 or bf16 src [n, D] (widened exactly), float32
+    weight [n]; the product rounded once, then added (what torch.mul into a float32 temporary
+    and out.index_add_ compute, in one pass). Returns whether it ran; False (out untouched)
+    where it does not, a token out of range included (the caller's torch ops then run, and
+    index_add_ raises for it)."""
+    if not (
+        out.dtype == torch.float32 and src.dtype in (torch.float32, torch.bfloat16) and token.dtype == torch.int64
+        and (weight is None or weight.dtype == torch.float32)
+    ):
+        return False
+    if out.dim() != 2 or src.dim() != 2 or src.shape[1] != out.shape[1] or token.shape != (src.shape[0],) or (
+        weight is not None and weight.shape != (src.shape[0],)
+    ):
+        raise ValueError(
+            f"scatter_add_rows: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and weight "
+            f"{None if weight is None else tuple(weight.shape)} do not fit (out [T, D], token [n], src [n, D], weight [n])"
+        )
+    vectors = (token,) if weight is None else (token, weight)
+    if not all(v.device.type == "cpu" and v.is_contiguous() for v in vectors):
+        return False
+    kernel = _kernel_for((src,), out)
+    if kernel is None:
+        return False
+    lib, openmp = kernel
+    status = lib.moe_ffn_scatter_add_rows(
+        out.data_ptr(), out.stride(0), out.shape[0], token.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
+        src.stride(0), None if weight is None else weight.data_ptr(), src.shape[0], src.shape[1],
+        torch.get_num_threads(), *openmp,
+    )
+    return status == 0
 
 
 def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> bool:

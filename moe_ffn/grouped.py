@@ -904,7 +904,8 @@ def _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated,
     if dropped:
         y_ND, token_N, weight_N = y_ND[:used], token_N[:used], weight_N[:used]
     out = weight_N.new_zeros(x.shape[0], x.shape[1])
-    out.index_add_(0, token_N, torch.mul(y_ND, weight_N[:, None]))  # in weight_N's dtype (promotion)
+    if not _small_gemm.scatter_add_rows(out, token_N, y_ND, weight_N):
+        out.index_add_(0, token_N, torch.mul(y_ND, weight_N[:, None]))  # in weight_N's dtype (promotion)
     return out, h_NH
 
 
@@ -979,7 +980,8 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
                     rows = slice(start - lo, stop - lo)
                     _linear_into(y_pD[rows], a_kernel[rows], w2_EDF[e], b, cdt)
             del a_pF, a_kernel
-            if token_N is not None:  # the weighted sum over each token's slots, in weight_N's dtype
+            if token_N is not None and not _small_gemm.scatter_add_rows(out, token_N[lo:hi], y_pD, weight_N[lo:hi]):
+                # the weighted sum over each token's slots, in weight_N's dtype (the kernel: in one pass)
                 if y_pD.dtype == weight_N.dtype:
                     y_pD.mul_(weight_N[lo:hi, None])
                 else:
@@ -1117,9 +1119,10 @@ def _ffn_backward(
         written = seen
         if dx_gD is not None:
             dx_gD = _round(dx_gD, dtype)
-            if dx_gD.dtype != grad_x.dtype:
-                dx_gD = _memory.scratch(grad_x, last - first, D).copy_(dx_gD)
-            grad_x.index_add_(0, token_N[first:last], dx_gD)
+            if not _small_gemm.scatter_add_rows(grad_x, token_N[first:last], dx_gD):
+                if dx_gD.dtype != grad_x.dtype:
+                    dx_gD = _memory.scratch(grad_x, last - first, D).copy_(dx_gD)
+                grad_x.index_add_(0, token_N[first:last], dx_gD)
         del x_gD, dx_gD, dh_gH
     if routed and need_x:
         grad_x = grad_x.to(dtype)

@@ -1560,3 +1560,62 @@ def test_avx512_matmul_declines_what_it_does_not_take():
         _small_gemm.avx512_matmul_into(out, a, torch.randn(15, 24))
     with pytest.raises(ValueError, match="2-d tensors expected"):
         _small_gemm.avx512_matmul_into(out, a.unsqueeze(0), b)
+
+
+def _scatter_add_reference(out, token, src, weight):
+    """out[token[i]] += src[i]·weight[i] row after row in float32, the product rounded on its
+    own before the sum (torch's float32 ops on whole rows: no fused multiply-add)."""
+    want = out.clone()
+    for i, t in enumerate(token.tolist()):
+        row = src[i].float() if weight is None else src[i].float() * weight[i]
+        want[t] = want[t] + row
+    return want
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("cols", [5, 64, 1030])
+def test_scatter_add_rows_adds_each_row_in_order(src_dtype, weighted, cols):
+    """out[token[i]] += src[i]·weight[i], bit for bit the row-by-row float32 reference: tokens
+    repeated (their rows added in order), columns in whole 8s and a tail, src rows strided, out
+    a slice of a wider tensor whose margins stay untouched; one thread gives the same."""
+    _needs_kernel()
+    torch.manual_seed(3)
+    T, n = 37, 300
+    token = torch.randint(0, T, (n,))
+    token[:4] = torch.tensor([5, 5, 5, 36])
+    src = torch.randn(n, cols + 3).to(src_dtype)[:, 1 : cols + 1]
+    src[0] *= 1e8  # sums where the order of the additions shows
+    weight = torch.rand(n) if weighted else None
+    wide = torch.full((T, cols + 4), float("nan"))
+    out = wide[:, 2 : cols + 2]
+    out.copy_(torch.randn(T, cols))
+    want = _scatter_add_reference(out, token, src, weight)
+    start = out.clone()
+    assert _small_gemm.scatter_add_rows(out, token, src, weight)
+    assert torch.equal(out, want)
+    assert wide[:, :2].isnan().all() and wide[:, cols + 2 :].isnan().all()
+    single = start.clone()
+    assert _on_one_thread(lambda: _small_gemm.scatter_add_rows(single, token, src, weight))
+    assert torch.equal(single, want)
+
+
+def test_scatter_add_rows_declines_and_names_misfits():
+    """A token out of range: False and out untouched (the caller's index_add_ then raises); other
+    dtypes or a strided token: False; shapes that do not fit: an error naming them."""
+    _needs_kernel()
+    out = torch.zeros(4, 16)
+    src = torch.ones(3, 16)
+    for bad in ([0, 1, 4], [0, -1, 2]):
+        assert not _small_gemm.scatter_add_rows(out, torch.tensor(bad), src)
+        assert bool((out == 0).all())
+    token = torch.tensor([0, 1, 2])
+    assert not _small_gemm.scatter_add_rows(out.bfloat16(), token, src)
+    assert not _small_gemm.scatter_add_rows(out, token.int(), src)
+    assert not _small_gemm.scatter_add_rows(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
+    assert not _small_gemm.scatter_add_rows(out, token, src, torch.ones(3, dtype=torch.float64))
+    assert bool((out == 0).all())
+    with pytest.raises(ValueError, match=r"do not fit.*out \[T, D\]"):
+        _small_gemm.scatter_add_rows(out, token, torch.ones(3, 15))
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.scatter_add_rows(out, token, src, torch.ones(2))
