@@ -232,6 +232,13 @@ void matmul_pass(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, 
 // c's rows [first_row, last_row) and columns [first, last_column).
 template <bool A_ROWS>
 void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t first, int64_t last_column) {
+  if (last_row - first_row == 1) {  // one row: all of k in one pass, 256 columns a panel (whole_sums)
+    const float* a = p.a + (A_ROWS ? first_row * p.lda : first_row);
+    float* c = p.c + first_row * p.ldc;
+    for (; first + 256 <= last_column; first += 256)
+      tile<1, 16, false, false, false, A_ROWS>(a, p.lda, p.b + first, p.ldb, c + first, p.ldc, p.k, 0xFFFF);
+    if (first == last_column) return;
+  }
   for (int64_t r0 = first_row; r0 < last_row; r0 += kMatmulRows) {
     const int64_t r1 = std::min(last_row, r0 + kMatmulRows);
     for (int64_t s0 = 0; s0 < p.k; s0 += kMatmulDepth) {

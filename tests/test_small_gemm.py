@@ -1529,14 +1529,16 @@ def test_avx512_gradients_run_where_sgemm_runs_at_avx2_width():
 
 @pytest.mark.parametrize(
     "m, k, n",
-    [(1, 1, 1), (5, 17, 3), (7, 129, 70), (97, 300, 130), (200, 257, 1040), (13, 1024, 100), (6, 128, 64)],
+    [(1, 1, 1), (5, 17, 3), (7, 129, 70), (97, 300, 130), (200, 257, 1040), (13, 1024, 100), (6, 128, 64),
+     (1, 300, 1040), (1, 1024, 600)],
 )
 @pytest.mark.parametrize("a_transposed", [False, True])
 def test_avx512_matmul_matches_float64(m, k, n, a_transposed):
     """a·b on the blocked product into a slice of a wider tensor holding NaNs (old contents
     never read, margins untouched): row tiles of 6 and their tails, more than one 96-row block,
     sums past one 128-step pass (added onto the first), 64-column panels and masked tails, the
-    threads splitting columns (n ≥ 128) or rows; a as it lies or as the transpose of [k, m]."""
+    threads splitting columns (n ≥ 128) or rows; a as it lies or as the transpose of [k, m];
+    one row in 256-column panels, then 64-column ones and a tail, in each thread's columns."""
     _needs_avx512_kernel()
     a = _strided(k, m).t() if a_transposed else _strided(m, k)
     b = _strided(k, n)
