@@ -753,18 +753,37 @@ void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int
 // could not be had.
 constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
+//
+// A last group of at most kDotTail rows after two full groups or more goes to the dot-product
+// tiles instead, chunk by chunk over the same rows of w (in L2 from the group tiles): as a group
+// of its own it cost a whole group's products for those few rows (65 rows computed 80). Per
+// product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9 rounds): 33 rows 591 →
+// 696 / 551 → 615, 49 rows 652 → 788 / 569 → 699, 65 rows 722 → 792 / 640 → 675, 36 and 68
+// rows 1.06–1.22×, 44 rows (a tail of 12, a group still) level. A tail of up to 12 gained at 9
+// (57 rows: 753 → 846 / 644 → 744) but lost at 12 (705 → 663 through 1024×512): 8 kept. Layer
+// forward (9 rounds) Mixtral T = 256 / 2048 1.028 / 1.015×, fine 1.065 / 1.015× (T = 64 level:
+// its blocks take the dot tiles whole); forward+backward T = 256 fine 1.057×, Mixtral level.
+constexpr int64_t kDotTail = 8;
+
 bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
-  const int64_t pairs = p.in_features / 2, groups = (p.rows + kGroupRows - 1) / kGroupRows;
+  const int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
+  const bool tail_on_dots = full >= 2 && tail > 0 && tail <= kDotTail;
+  const int64_t pairs = p.in_features / 2, groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
   auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kGroupRows * groups));
   if (packed == nullptr) return false;
   for (int64_t g = 0; g < groups; ++g)
     pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
+  LinearBf16 rest = p;  // the tail's rows, for the dot-product tiles
+  rest.x += full * kGroupRows * p.ldx;
+  rest.y += full * kGroupRows * p.ldy;
+  rest.rows = tail;
   for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
     const int64_t o1 = std::min(last, o0 + kChunkCols);
     const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1
     int64_t g = 0;
     for (; g < groups - 2 * twos; g += 3) outer_tiles<3>(packed, pairs, p, o0, o1, g, last);
     for (; g < groups; g += 2) outer_tiles<2>(packed, pairs, p, o0, o1, g, last);
+    if (tail_on_dots) dot_range(rest, o0, o1);
   }
   return true;
 }

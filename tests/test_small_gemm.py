@@ -831,16 +831,17 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
 @pytest.mark.parametrize("shape", [(1, 2), (7, 50), (13, 100), (31, 40), (100, 78), (1040, 64), (40, 3584), (7, 33)])
 def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
     """Blocks past 16 rows (an even I): outer products over packed groups of 16 rows, in
-    register tiles of 3 groups and of 2 (blocks of 17, 33, 70, 64 and 100 rows: 2, 3, 3 + 2,
-    2 + 2 and 3 + 2 + 2 groups, the last group part full) by 8 or 12 of w's rows and their
-    tails, w's rows 48 at a time; an odd I (7, 33): the dot-product tiles. Into a slice of a
-    wider tensor, rows between blocks untouched."""
+    register tiles of 3 groups and of 2 by 8 or 12 of w's rows and their tails, w's rows 48 at
+    a time; blocks of 17, 33, 70, 64, 100 and 44 rows: 2 groups (the second part full), 2 + a
+    tail of 1 on the dot-product tiles, 2 + 2 + 6 on them, 2 + 2, 3 + 3 + 4 on them, 3 (a
+    tail of 12 is a group of its own); an odd I (7, 33): the dot-product tiles. Into a slice
+    of a wider tensor, rows between blocks untouched."""
     _needs_bf16_blocks()
     O, I = shape
-    blocks = [(1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 185), (0, 185, 285)]
+    blocks = [(1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 185), (0, 185, 285), (2, 285, 329)]
     torch.manual_seed(3)
-    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(285, I).bfloat16()
-    wide = torch.full((285, O + 5), float("nan"), dtype=torch.bfloat16)
+    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(329, I).bfloat16()
+    wide = torch.full((329, O + 5), float("nan"), dtype=torch.bfloat16)
     out = wide[:, 1 : O + 1]
     assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
     for e, start, stop in blocks:
