@@ -815,6 +815,15 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
 // last. w is read once; g's rows once per panel.
 constexpr int64_t kGradPanel = 64;
 constexpr int64_t kGradDepth = 256;  // rows of w per chunk (even)
+// Blocks of at most kShallowRows rows whose chunk of w would pack more than kShallowBytes per
+// thread take chunks of half the depth: few rows spend little time on each panel, and the packing
+// of a panel past L2's size runs ahead of it. Only Mixtral's down projection (a thread's 1792
+// columns: 917 KiB a chunk) among the benchmark's shapes; per product, GFLOP/s: 8 rows 170 →
+// 204, 16 rows 309 → 352, 32 rows 502 → 518 (64 rows level, 128 rows 753 → 738 with rows to 128:
+// hence 32). Layer forward+backward, Mixtral (9 rounds) T = 16 / 32 / 64 / 128 1.009 / 1.012 /
+// 1.019 / 1.010×.
+constexpr int64_t kShallowRows = 32;
+constexpr int64_t kShallowBytes = 512 << 10;
 constexpr int64_t kPackAhead = 8;    // pairs of w's rows prefetched ahead while packing
 
 // The operands as MatmulOf's: a = g [rows, O] (m = rows), b = w [O, I] (k = O, even), c = y.
@@ -925,13 +934,14 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 
 // y's columns [first, last); false where the scratch could not be had.
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
-  const int64_t panel_words = kGradDepth / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;
+  const int64_t chunk = p.m <= kShallowRows && (last - first) * kGradDepth * 2 > kShallowBytes ? kGradDepth / 2 : kGradDepth;
+  const int64_t panel_words = chunk / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;
   auto* scratch = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(
       sizeof(uint32_t) * panel_words * panels + sizeof(float) * p.m * kGradPanel * panels));
   if (scratch == nullptr) return false;
   float* sums = reinterpret_cast<float*>(scratch + panel_words * panels);  // [panel][rows][kGradPanel]
-  for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
-    const int64_t depth = std::min(kGradDepth, p.k - o0);
+  for (int64_t o0 = 0; o0 < p.k; o0 += chunk) {
+    const int64_t depth = std::min(chunk, p.k - o0);
     const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
     pack_pairs(p.b, p.ldb, o0, depth, first, last, kGradPanel, panel_words, scratch);
     RowLines ahead;  // the next chunk's rows (the next block's first), while this one's products run
@@ -940,7 +950,7 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_
       ahead.at = reinterpret_cast<const char*>(next + first);
       ahead.ld = p.ldb * static_cast<int64_t>(sizeof(bf16_t));
       ahead.bytes = (last - first) * static_cast<int64_t>(sizeof(bf16_t));
-      ahead.rows = std::min(kGradDepth, last_chunk ? p.k : p.k - o0 - depth);
+      ahead.rows = std::min(chunk, last_chunk ? p.k : p.k - o0 - depth);
     }
     for (int64_t i = 0; i < panels; ++i) {
       const int64_t q = first + i * kGradPanel, cols = std::min(kGradPanel, last - q);

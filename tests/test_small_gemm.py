@@ -851,13 +851,16 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
     assert wide[50].isnan().all() and wide[:, 0].isnan().all() and wide[:, O + 1 :].isnan().all()
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (14, 70), (100, 64), (256, 90), (258, 33), (1024, 512), (600, 1000)])
+@pytest.mark.parametrize(
+    "shape", [(2, 1), (14, 70), (100, 64), (256, 90), (258, 33), (1024, 512), (600, 1000), (600, 2200)]
+)
 def test_bf16_input_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
     """Blocks of 2 to BF16_INPUT_GRAD_MAX_ROWS rows on the packed-panel kernel (with a one-row
     block on the widening one in the same call): tiles of 6 rows and their tails, panels of 64
     columns and the last part-full one, the sum over O in chunks of 256 rows carried in float32
-    (O = 258, 600, 1024) or in one (O ≤ 256); into a slice of a wider tensor, rows between
-    blocks and the margins untouched; one thread gives the same."""
+    (O = 258, 600, 1024) or in one (O ≤ 256), or of 128 rows (I = 2200: a thread's columns
+    past 512 KiB a chunk, the 9-row block; its 37- and 87-row blocks 256); into a slice of a
+    wider tensor, rows between blocks and the margins untouched; one thread gives the same."""
     _needs_bf16_blocks()
     O, I = shape
     blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (1, 50, 137)]
