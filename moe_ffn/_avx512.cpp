@@ -527,28 +527,6 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg
                      });
 }
 
-// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the
-// caller, as above), bf16 b [rows, n] into expert e's bf16 gradient c_e [m, n] (at c +
-// e·c_expert, rows ldc apart), written over (no block may accumulate); with `stream` c's whole
-// 32-byte pieces go past the caches (c and ldc·2 multiples of 32 bytes). The threads split c's
-// rows, each taking its share of every block.
-extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t lda, const bf16_t* b, int64_t ldb,
-                                                      bf16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
-                                                      const int64_t* blocks, int64_t count, int64_t m, int64_t n,
-                                                      int stream, int threads, void* parallel, void* thread_num,
-                                                      void* num_threads) {
-  if (!ready() || m < 0 || n < 0 || threads < 1) return -1;
-  return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
-                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
-                       const WeightGradOf<float, bf16_t, bf16_t> p{a + start * lda, lda, b + start * ldb, ldb,
-                                                                   c + e * c_expert, ldc, stop - start, m, n, false,
-                                                                   stream != 0};
-                       if (stream) rows_range<false, true>(p, first, last);
-                       else rows_range<false, false>(p, first, last);
-                       return true;
-                     });
-}
-
 // Forward y[start:stop] = x[start:stop]·w_eᵀ for bf16 x [rows, I], w_e [O, I], y [rows, O] on
 // AVX512-BF16's dot-product instruction (vdpbf16ps: 32 bf16 pairs' products into 16 float32
 // sums; inputs and results of subnormal size flushed to zero, as oneDNN's AVX512-BF16 and AMX
@@ -985,6 +963,60 @@ inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
   else _mm512_storeu_si512(at, bits);
 }
 
+// ---- bf16 weight gradients of a few rows (below BF16_WEIGHT_GRAD_PACKED_FROM_ROWS) -----------
+//
+// c = aᵀ·b for float32 a [k, m] (the caller widens its few rows once) and bf16 b [k, n] (widened
+// as loaded): register tiles of 6 rows of c by 64 columns, a's values broadcast, k products each
+// (no pairs: k is 1 to 3), each result rounded to bf16 once as stored. Whole lines of c go 32
+// results an instruction (store32), where to_bf16 took seven steps for 16: with a step or two of
+// products per result the rounding was most of the work. (These products are plain float32
+// FMAs: subnormal results do arise, and store32 rounds them as torch does.)
+template <int ROWS, bool STREAM>
+void few_tile(const float* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t k) {
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < k; ++s) {
+    __m512 b_s[4];
+    for (int j = 0; j < 4; ++j) b_s[j] = load16(b + s * ldb + 16 * j);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 a_i = _mm512_set1_ps(a[s * lda + i]);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; j += 2) store32<STREAM>(c + i * ldc + 16 * j, acc[i][j], acc[i][j + 1]);
+}
+
+template <bool STREAM>
+void few_rows_range(const WeightGradOf<float, bf16_t, bf16_t>& p, int64_t first, int64_t last) {
+  const int64_t whole = p.n / 64 * 64;
+  for (int64_t r = first; r < last; r += 6) {
+    const int64_t rows = std::min<int64_t>(6, last - r);
+    for (int64_t q = 0; q < whole; q += 64) {
+      const float* a = p.a + r;
+      const bf16_t* b = p.b + q;
+      bf16_t* c = p.c + r * p.ldc + q;
+      switch (rows) {
+        case 6: few_tile<6, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+        case 5: few_tile<5, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+        case 4: few_tile<4, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+        case 3: few_tile<3, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+        case 2: few_tile<2, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+        default: few_tile<1, STREAM>(a, p.lda, b, p.ldb, c, p.ldc, p.k); break;
+      }
+    }
+  }
+  if (whole < p.n) {  // the last columns (fewer than 64): the float32 kernel's masked tiles
+    WeightGradOf<float, bf16_t, bf16_t> rest = p;
+    rest.b += whole;
+    rest.c += whole;
+    rest.n = p.n - whole;
+    rows_range<false, false>(rest, first, last);
+  }
+  if (STREAM) _mm_sfence();
+}
+
 // ---- bf16 weight gradients c = aᵀ·b of blocks past a few rows ------------------------------
 //
 // The sum runs over the block's rows, so both operands go in pairs of rows (pack_pairs): b's
@@ -1127,5 +1159,28 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16_packed(const bf16_t* a, in
                        const WeightGradBf16 p{a + start * lda, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
                                               stop - start, m, n, false, stream != 0};
                        return first >= last || n == 0 || wgrad_range(p, first, last);
+                     });
+}
+
+// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the
+// caller, as above), bf16 b [rows, n] into expert e's bf16 gradient c_e [m, n] (at c +
+// e·c_expert, rows ldc apart), written over (no block may accumulate); with `stream` c's whole
+// 64-byte lines go past the caches (c and ldc·2 multiples of 64 bytes). The threads split c's
+// rows, each taking its share of every block (few_rows_range: blocks of a few rows). -1 where
+// the CPU lacks AVX512_BF16.
+extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t lda, const bf16_t* b, int64_t ldb,
+                                                      bf16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
+                                                      const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                                                      int stream, int threads, void* parallel, void* thread_num,
+                                                      void* num_threads) {
+  if (!bf16_ready() || m < 0 || n < 0 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
+                       const WeightGradOf<float, bf16_t, bf16_t> p{a + start * lda, lda, b + start * ldb, ldb,
+                                                                   c + e * c_expert, ldc, stop - start, m, n, false,
+                                                                   stream != 0};
+                       if (stream) few_rows_range<true>(p, first, last);
+                       else few_rows_range<false>(p, first, last);
+                       return true;
                      });
 }

@@ -825,6 +825,10 @@ BF16_INPUT_GRAD_PACKED_FROM_ROWS = 2
 # 259–264 → 315–332. Whole panels rounded 32 sums an instruction since 2026-12-03 (_avx512.cpp,
 # store32): 64 rows 676–780 → 718–846 GFLOP/s; layer bf16 forward+backward (interleaved A/B,
 # 7 rounds, with the SwiGLU prefetch) Mixtral T = 64 / 256 1.10 / 1.02×, fine 1.06 / 1.06×.
+# The widening kernel's 1–3-row blocks round whole lines the same way (few_rows_range): GB/s of
+# gradient written, one call for all experts, 1 row 35.9–59.0 → 39.0–76.2, 2 rows 42.5–55.8 →
+# 42.5–75.7, 3 rows 31.7–52.5 → 40.0–66.9; layer bf16 forward+backward (11 rounds) T = 1 / 16
+# Mixtral 1.045 / 1.031×, fine 1.035 / 1.057×.
 # Then to 320 rows (was 128): torch → kernel 256 rows 733–817 → 771–852 GFLOP/s; at 512 rows
 # level (751–845 against 760–835), at 1024 behind (688–864 against 723–818). Fine-grained bf16
 # forward+backward at T = 2048 (blocks of ~256 rows), constant A/B in one process: 1.037× (7

@@ -778,7 +778,7 @@ def test_bf16_input_grad_blocks_are_each_blocks_product_rounded_once(shape):
     assert torch.equal(one_by_one[rows], out[rows]) and torch.equal(single[rows], out[rows])
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (97, 300), (1024, 512), (520, 1024)])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (29, 64), (97, 300), (1024, 512), (520, 1024)])
 @pytest.mark.parametrize("own", [False, True])
 def test_bf16_weight_grad_blocks_are_each_blocks_product_rounded_once(shape, own):
     """out[e] = a[start:stop]ᵀ·b[start:stop] written over old contents (NaN here), bf16 in and
@@ -897,7 +897,7 @@ def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
     assert same_bits(grads[0])
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (97, 300), (1024, 512), (520, 1024)])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (29, 64), (97, 300), (1024, 512), (520, 1024)])
 @pytest.mark.parametrize("own", [False, True])
 def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape, own):
     """Blocks of BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows on the
@@ -930,31 +930,41 @@ def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(s
 
 
 @pytest.mark.parametrize("N", [128, 1 << 16])
-def test_bf16_packed_weight_grad_rounds_whole_panels_as_torch_does(N):
-    """The packed weight gradient's whole panels (64 columns: one rounding instruction for 32
-    sums) round as torch's bf16 does, bit for bit: ties to even both ways, inf − inf to 0x7FC0
-    (the instruction alone would keep x86's NaN 0xFFC0), a NaN among ordinary sums not spilling
-    onto them; the rest within one rounding of float64. N = 2^16: 8 × N elements, streamed."""
+@pytest.mark.parametrize("K", [2, 4])
+def test_bf16_weight_grad_rounds_whole_panels_as_torch_does(N, K):
+    """The weight gradients' whole panels (64 columns: one rounding instruction for 32 sums;
+    K = 2 rows: the few-rows kernel on float32 products, K = 4: the packed one) round as
+    torch's bf16 does, bit for bit: ties to even both ways, inf − inf to 0x7FC0 (the
+    instruction alone would keep x86's NaN 0xFFC0), a NaN among ordinary sums not spilling onto
+    them, and (float32 products only: vdpbf16ps flushes them) a subnormal sum kept as torch
+    keeps it, where the instruction would flush it; the rest within one rounding of float64.
+    N = 2^16: 8 × N elements, streamed."""
     _needs_bf16_blocks()
     M, h = 8, 2.0**-8
     torch.manual_seed(11)
-    a = torch.ones(4, M, dtype=torch.bfloat16)
-    b = torch.randn(4, N).bfloat16()
-    special = {  # column: b's four rows (a's rows are ones: c[:, col] is their sum)
-        0: [float("inf"), -float("inf"), 0, 0], 1: [1, h, 0, 0], 2: [1 + 2 * h, h, 0, 0],
-        40: [-1, -h, 0, 0], 63: [-(1 + 2 * h), -h, 0, 0], 64 + 17: [float("inf"), 0, -float("inf"), 0],
+    a = torch.ones(K, M, dtype=torch.bfloat16)
+    b = torch.randn(K, N).bfloat16()
+    special = {  # column: b's first rows (the others zero; a's rows are ones: c[:, col] is their sum)
+        0: [float("inf"), -float("inf")], 1: [1, h], 2: [1 + 2 * h, h], 40: [-1, -h], 63: [-(1 + 2 * h), -h],
+        64 + 17: [float("inf"), 0, -float("inf")] if K > 2 else [-float("inf"), float("inf")],
     }
+    tiny = 2.0**-130  # a bf16 (and float32) subnormal
+    if K == 2:
+        special[64 + 40] = [tiny, 0]  # (its 32 columns hold no NaN: the instruction would take them)
     for col, rows in special.items():
-        b[:, col] = torch.tensor(rows, dtype=torch.bfloat16)
+        b[:, col] = torch.tensor(rows + [0] * (K - len(rows)), dtype=torch.bfloat16)
     want = {0: 0x7FC0, 1: 0x3F80, 2: 0x3F82, 40: 0xBF80 - 0x10000, 63: 0xBF82 - 0x10000, 64 + 17: 0x7FC0}
+    if K == 2:
+        want[64 + 40] = int(torch.tensor([tiny]).bfloat16().view(torch.int16))
+        assert want[64 + 40] != 0
     out = torch.full((2, M, N), 7.0, dtype=torch.bfloat16)
-    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, [(1, 0, 4)], [False])
+    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, [(1, 0, K)], [False])
     bits = out[1].view(torch.int16)
     for col, value in want.items():
         assert (bits[:, col] == value).all(), (col, bits[:, col])
     ordinary = [c for c in range(N) if c not in special]
     exact = (a.double().t() @ b.double())[:, ordinary]
-    _bf16_within_one_rounding(out[1][:, ordinary], exact, _bound(a.double().t().abs(), b.double().abs(), 4)[:, ordinary])
+    _bf16_within_one_rounding(out[1][:, ordinary], exact, _bound(a.double().t().abs(), b.double().abs(), K)[:, ordinary])
     assert bool((out[0] == 7).all())
 
 
