@@ -589,7 +589,8 @@ void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, 
   for (int64_t k = 0; k < whole; k += 32) {
     __m512bh w_k[COLS];
     for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
-    for (int j = 0; j < next_rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * p.ldw + k), _MM_HINT_T0);
+    for (int j = 0; j < next_rows; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(next + j * p.ldw + k), _MM_HINT_T0);
     for (int i = 0; i < ROWS; ++i) {
       const __m512bh x_k = pairs(x + i * p.ldx + k);
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
@@ -626,7 +627,8 @@ void dot_strip(const LinearBf16& p, int64_t o, int next_rows) {
   const bf16_t* w = p.w + o * p.ldw;
   const bf16_t* next = w + COLS * p.ldw;
   int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4, next_rows = 0) dot_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, next, next_rows);
+  for (; r + 4 <= p.rows; r += 4, next_rows = 0)
+    dot_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, next, next_rows);
   const bf16_t* x = p.x + r * p.ldx;
   bf16_t* y = p.y + r * p.ldy + o;
   switch (p.rows - r) {
@@ -746,7 +748,6 @@ void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int
 // could not be had.
 constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
-//
 // A last group of at most kDotTail rows after two full groups or more goes to the dot-product
 // tiles instead, chunk by chunk over the same rows of w (in L2 from the group tiles): as a group
 // of its own it cost a whole group's products for those few rows (65 rows computed 80). Per
@@ -761,7 +762,8 @@ constexpr int64_t kDotTail = 8;
 bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
   const int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
   const bool tail_on_dots = full >= 2 && tail > 0 && tail <= kDotTail;
-  const int64_t pairs = p.in_features / 2, groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
+  const int64_t pairs = p.in_features / 2;
+  const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
   auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kGroupRows * groups));
   if (packed == nullptr) return false;
   for (int64_t g = 0; g < groups; ++g)
@@ -912,7 +914,8 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 
 // y's columns [first, last); false where the scratch could not be had.
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
-  const int64_t chunk = p.m <= kShallowRows && (last - first) * kGradDepth * 2 > kShallowBytes ? kGradDepth / 2 : kGradDepth;
+  const bool shallow = p.m <= kShallowRows && (last - first) * kGradDepth * 2 > kShallowBytes;
+  const int64_t chunk = shallow ? kGradDepth / 2 : kGradDepth;
   const int64_t panel_words = chunk / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;
   auto* scratch = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(
       sizeof(uint32_t) * panel_words * panels + sizeof(float) * p.m * kGradPanel * panels));
@@ -948,7 +951,7 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_
 // to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
 // (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
 // is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
-// itself, so in the weight gradient below the fallback is NaN's. Per product, 8 or 64 weights
+// itself, so in the packed weight gradient the fallback is NaN's. Per product, 8 or 64 weights
 // of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
 // 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
 template <bool STREAM>

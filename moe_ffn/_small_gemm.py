@@ -1048,9 +1048,10 @@ def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[T
     if out.dim() != 2 or src.dim() != 2 or src.shape[1] != out.shape[1] or token.shape != (src.shape[0],) or (
         weight is not None and weight.shape != (src.shape[0],)
     ):
+        weight_shape = None if weight is None else tuple(weight.shape)
         raise ValueError(
-            f"scatter_add_rows: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and weight "
-            f"{None if weight is None else tuple(weight.shape)} do not fit (out [T, D], token [n], src [n, D], weight [n])"
+            f"scatter_add_rows: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and "
+            f"weight {weight_shape} do not fit (out [T, D], token [n], src [n, D], weight [n])"
         )
     vectors = (token,) if weight is None else (token, weight)
     if not all(v.device.type == "cpu" and v.is_contiguous() for v in vectors):

@@ -910,7 +910,8 @@ def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(s
     M, N = shape
     most, least = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS, _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS
     end = 50 + most  # (block 3 the most rows, block 5 the fewest of the packed kernel)
-    blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, end), (5, end, end + least), (6, end + least, end + least + 3)]
+    blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, end), (5, end, end + least)]
+    blocks.append((6, end + least, end + least + 3))
     torch.manual_seed(5)
     a, b = torch.randn(end + least + 3, M).bfloat16(), torch.randn(end + least + 3, N).bfloat16()
     whole = torch.full((8, M, N + (0 if own else 3)), float("nan"), dtype=torch.bfloat16)
@@ -964,7 +965,8 @@ def test_bf16_weight_grad_rounds_whole_panels_as_torch_does(N, K):
         assert (bits[:, col] == value).all(), (col, bits[:, col])
     ordinary = [c for c in range(N) if c not in special]
     exact = (a.double().t() @ b.double())[:, ordinary]
-    _bf16_within_one_rounding(out[1][:, ordinary], exact, _bound(a.double().t().abs(), b.double().abs(), K)[:, ordinary])
+    bound = _bound(a.double().t().abs(), b.double().abs(), K)[:, ordinary]
+    _bf16_within_one_rounding(out[1][:, ordinary], exact, bound)
     assert bool((out[0] == 7).all())
 
 
