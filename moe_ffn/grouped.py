@@ -664,13 +664,21 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # 2340 rows on (T ≈ 9400), the fine-grained shape's from 16384.
 _GROUP_ELEMENTS = 1 << 20
 _PIECE_ELEMENTS = 1 << 24
+# A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
+# temporaries (a few MiB) cost a second round of kernel calls. bf16 forward+backward, A/B in one
+# process against 1 (2026-12-03, the AVX-512 EPYC, 9 rounds): fine-grained T = 256 (2048 rows ×
+# 1024, one group instead of two) 1.085× / 1.088×, Mixtral T = 128 1.034× / 1.028×; forward fine
+# T = 256 1.065×, Mixtral T = 128 0.954× / 0.997× (11 rounds); T = 512 and Mixtral T = 256 (past
+# two groups' worth) unchanged. Working memory grows by at most one group's temporaries.
+_ONE_GROUP_FACTOR = 2
 
 
 def _groups(
     blocks: list[tuple[int, int, int]], width: int, split: bool
 ) -> list[list[tuple[int, int, int]]]:
     """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
-    larger than that is a group of its own).
+    larger than that is a group of its own); all of them in one group where they come to at most
+    `_ONE_GROUP_FACTOR` groups' worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
     most that many rows (the same expert on consecutive row ranges), so that no temporary
@@ -682,9 +690,11 @@ def _groups(
     if split:
         most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
+    total = sum(stop - start for _, start, stop in blocks) * width
+    budget = total if total <= _ONE_GROUP_FACTOR * _GROUP_ELEMENTS else _GROUP_ELEMENTS
     groups, current, rows = [], [], 0
     for block in blocks:
-        if current and (rows + block[2] - block[1]) * width > _GROUP_ELEMENTS:
+        if current and (rows + block[2] - block[1]) * width > budget:
             groups.append(current)
             current, rows = [], 0
         current.append(block)

@@ -139,6 +139,7 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     from moe_ffn import grouped
 
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 8)
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)  # (several groups, as the budget says)
     monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 8)
     pieces = grouped._groups([(0, 0, 3), (2, 3, 4)], 8, split=True)
     assert pieces == [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)], [(2, 3, 4)]]
@@ -148,12 +149,24 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
     test_grouped_ffn_matches_loop("silu", True)
 
 
+def test_a_small_step_goes_in_one_group(monkeypatch):
+    """Blocks of at most _ONE_GROUP_FACTOR budgets' worth in all form one group; past that,
+    groups of the budget."""
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 4 * 8)  # H = 8: 4 rows a group
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 2)
+    blocks = [(0, 0, 3), (1, 3, 5), (2, 5, 8)]  # 8 rows: two budgets' worth
+    assert grouped._groups(blocks, 8, split=False) == [blocks]
+    more = blocks + [(3, 8, 9)]  # 9 rows
+    assert grouped._groups(more, 8, split=False) == [[(0, 0, 3)], [(1, 3, 5)], [(2, 5, 8), (3, 8, 9)]]
+
+
 @pytest.mark.parametrize("routed", [False, True])
 def test_first_projection_runs_over_whole_blocks_when_the_rest_is_cut(monkeypatch, routed):
     """Cut into 2-row pieces, the forward still multiplies each expert's whole block by its
     first weight in one product (cutting that GEMM cost ~7 %); the down projection goes piece
     by piece. Outputs: the float64 loop, as in the test above."""
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 2 * 8)  # H = 8: pieces of 2 rows
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)  # (several groups, as the budget says)
     monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 2 * 8)
     seen = []
     real = grouped._linear_into
@@ -476,6 +489,7 @@ def test_thin_weight_gradients_as_outer_products_match_float64(monkeypatch):
     assert sorted(set(calls)) == [(3, False), (4, False)]
     calls.clear()
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 2 * 2 * 128)  # pieces of 2 rows
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)  # (several groups, as the budget says)
     monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 2 * 2 * 128)
     _float32_blocks_match_float64(torch.tensor([1, 3, 0, 4]), 256, 128, bias=True)
     assert sorted(set(calls)) == [(2, False), (2, True)]
@@ -630,6 +644,7 @@ def test_inference_forward_reuses_one_group_buffer_for_the_first_projection(monk
     counts = torch.tensor([2, 1, 0, 2, 3])
     D, F, N = 6, 4, 8
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 3 * 2 * F)
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)  # (several groups, as the budget says)
     shapes = []
     real = grouped._memory.empty
     monkeypatch.setattr(grouped._memory, "empty", lambda like, *shape, **kw: shapes.append(shape) or real(like, *shape, **kw))
