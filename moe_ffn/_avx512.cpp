@@ -229,14 +229,27 @@ void matmul_pass(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, 
   }
 }
 
+// One row of c (a at its row `a`, c at its row `c`): all of k in one pass, panels of 256
+// columns (16 accumulators) from column `first` while whole ones fit before `last_column`;
+// returns the first column left. Each step reads 512 bytes of b's row where 64-column panels
+// read 128: the walk down b's rows, a memory stream at b's row stride, carries four times the
+// bytes per step. bf16 input gradients of one row (whole_sums), GB/s of weight read, 8 or 64
+// weights one row each in one call (9 rounds), 64 → 256 columns: Mixtral's 7168×1024 29.7 →
+// 55.2, 1024×3584 31.4 → 49.3, the fine-grained 1024×1024 29.4 → 40.5, 1024×512 34.6 → 51.1;
+// 128 columns in between (37.5 / 47.0 / 35.7 / 46.0), 384 behind (its 24 accumulators spill).
+template <bool A_ROWS, typename P>
+int64_t one_row_panels(const P& p, const float* a, decltype(P::c) c, int64_t first, int64_t last_column) {
+  for (; first + 256 <= last_column; first += 256)
+    tile<1, 16, false, false, false, A_ROWS>(a, p.lda, p.b + first, p.ldb, c + first, p.ldc, p.k, 0xFFFF);
+  return first;
+}
+
 // c's rows [first_row, last_row) and columns [first, last_column).
 template <bool A_ROWS>
 void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t first, int64_t last_column) {
-  if (last_row - first_row == 1) {  // one row: all of k in one pass, 256 columns a panel (whole_sums)
-    const float* a = p.a + (A_ROWS ? first_row * p.lda : first_row);
-    float* c = p.c + first_row * p.ldc;
-    for (; first + 256 <= last_column; first += 256)
-      tile<1, 16, false, false, false, A_ROWS>(a, p.lda, p.b + first, p.ldb, c + first, p.ldc, p.k, 0xFFFF);
+  if (last_row - first_row == 1) {
+    first = one_row_panels<A_ROWS>(p, p.a + (A_ROWS ? first_row * p.lda : first_row), p.c + first_row * p.ldc,
+                                   first, last_column);
     if (first == last_column) return;
   }
   for (int64_t r0 = first_row; r0 < last_row; r0 += kMatmulRows) {
@@ -343,22 +356,11 @@ void linear_range(const Linear& p, int64_t first, int64_t last) {
 
 // bf16 c = a·b (a [m, k], float32) for a few rows m: c's columns [first, last_column), every row, each
 // tile's whole sum over k in its registers (a bf16 c is rounded once; no passes over k, whose
-// partial sums would be added to c). With m ≤ 6 every element of b is read once.
-//
-// One row (a bf16 input gradient of one token through its expert, bf16_input_grad_blocks) takes
-// panels of 256 columns, 16 accumulators: each step reads 512 bytes of b's row where 64-column
-// panels read 128, and the walk down b's rows, a memory stream at b's row stride, carries four
-// times the bytes per step. GB/s of weight read, 8 or 64 weights one row each in one call (9
-// rounds), 64 → 256 columns: Mixtral's 7168×1024 29.7 → 55.2, 1024×3584 31.4 → 49.3, the
-// fine-grained 1024×1024 29.4 → 40.5, 1024×512 34.6 → 51.1; 128 columns in between (37.5 /
-// 47.0 / 35.7 / 46.0), 384 behind (its 24 accumulators spill).
+// partial sums would be added to c). With m ≤ 6 every element of b is read once; one row (a bf16
+// input gradient of one token through its expert) in 256-column panels (one_row_panels).
 template <typename P>
 void whole_sums(const P& p, int64_t first, int64_t last_column) {
-  if (p.m == 1) {
-    for (; first + 256 <= last_column; first += 256)
-      tile<1, 16, false, false, false, true>(p.a, p.lda, p.b + first, p.ldb, p.c + first, p.ldc, p.k, 0xFFFF);
-    if (first == last_column) return;
-  }
+  if (p.m == 1 && (first = one_row_panels<true>(p, p.a, p.c, first, last_column)) == last_column) return;
   matmul_pass<true, false>(p, 0, p.m, 0, p.k, first, last_column);
 }
 
@@ -580,8 +582,7 @@ inline __m512 sums16(const __m512 (&v)[16]) {
 }
 
 template <int ROWS, int COLS>
-void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next = nullptr,
-              int next_rows = 0) {
+void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next, int next_rows) {
   __m512 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
