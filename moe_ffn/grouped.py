@@ -42,6 +42,7 @@ a bf16 weight). float32 and float64 run unchanged.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -72,6 +73,15 @@ _BF16_DECODE_ROWS = 16
 # faster for 4–256 rows (x·Wᵀ and g·W layouts) and ties from ~1024 rows. Weight gradients
 # (gᵀ·x) stay on torch.mm, which is as fast or faster there.
 _ONEDNN_MAX_ROWS = 512
+# Where MKL's sgemm runs its AVX2 code on an AVX-512 CPU (AMD's, `sgemm_at_avx2_width`),
+# oneDNN runs float32 x·Wᵀ on 512-bit FMAs at every size, and takes the larger blocks too. The
+# 2-core EPYC of family 26 (2026-12-03, GFLOP/s sgemm → oneDNN with the copy into the output,
+# 7 repeats): 384–2048 rows through the benchmark's four weights 171–209 → 355–460.
+_ONEDNN_ANY_ROWS = math.inf
+
+
+def _onednn_max_rows() -> float:
+    return _ONEDNN_ANY_ROWS if _small_gemm.sgemm_at_avx2_width() else _ONEDNN_MAX_ROWS
 # ... and at least this many multiply-adds, or a weight of at least this many elements: oneDNN
 # always runs its two threads, and below these sizes the hand-off costs more than it saves
 # (badly so on a loaded machine). The weight-size rule is decode's: with 1–16 rows the product
@@ -206,7 +216,7 @@ def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Ten
             return y
         if _torch_on_avx512():
             return F.linear(x, w)  # sgemm (see _AVX512_W_XT_MAX_ROWS)
-    if rows > _ONEDNN_MAX_ROWS:
+    if rows > _onednn_max_rows():
         return F.linear(x, w, b)
     if _torch_on_avx512() and rows <= _AVX512_W_XT_MAX_ROWS and w.is_contiguous():
         y_OM = torch.mm(w, x.t()) if b is None else torch.addmm(b.unsqueeze(1), w, x.t())
@@ -300,7 +310,7 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         return
     if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)
         return
-    if cdt != out.dtype or (cdt == torch.float32 and x.shape[0] <= _ONEDNN_MAX_ROWS):
+    if cdt != out.dtype or (cdt == torch.float32 and x.shape[0] <= _onednn_max_rows()):
         out.copy_(_linear(x, w, b))
     elif b is None:
         torch.mm(x, w.t(), out=out)

@@ -762,3 +762,26 @@ def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(
     weights = sorted(rows for kind, rows, _ in calls if kind == "weight")
     assert inputs == [1, 1, 12, 12, 130, 130]  # through W2, then W1, per block
     assert weights == [130, 130]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("avx2_width", [True, False])
+def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(monkeypatch, bias, avx2_width):
+    """Forward blocks past grouped._ONEDNN_MAX_ROWS go to oneDNN's inner product where MKL's
+    sgemm runs at AVX2 width on an AVX-512 CPU (_small_gemm.sgemm_at_avx2_width, forced here),
+    to the BLAS elsewhere (forced off): the 520-row block's two projections, not the others';
+    the float64 loop's outputs and gradients come out either way."""
+    if not grouped._onednn_linear_available():
+        pytest.skip("torch has no oneDNN inner product here")
+    monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: avx2_width)
+    rows = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, w, *args):
+        rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    big = grouped._ONEDNN_MAX_ROWS + 8
+    _float32_blocks_match_float64(torch.tensor([1, big, 0, 12]), 128, 128, bias=bias)
+    assert [r for r in rows if r > grouped._ONEDNN_MAX_ROWS] == ([big, big] if avx2_width else [])
