@@ -673,13 +673,23 @@ def _avx512_for(rows: int, limits: tuple[int, int], inputs: tuple[Tensor, ...], 
 # blocks in one parallel region): Mixtral T = 1 / 4 / 16 3.25 → 2.92, 11.91 → 10.93, 19.19 →
 # 17.03 ms; fine 1.37 → 1.33, 8.45 → 7.67, 17.48 → 16.08.
 AVX512_FORWARD_ROWS = (1, 64)
+# AMD's AVX-512 CPUs run oneDNN's float32 inner product faster from ~48 rows (the 2-core EPYC
+# of family 26, 2026-12-03, GFLOP/s kernel → oneDNN with the copy into the output, 8 or 64
+# weights in turn, 7 rounds: 48 rows 274–289 → 270–310, 64 rows 283–313 → 297–335; level at
+# 32), so there the kernel stops at 40. Layer fp32 forward A/B (9 rounds): Mixtral T=192
+# 1.138×, T=256 1.092× / 1.085×, T=128 and the fine-grained shape (32-row blocks) level.
+AVX512_FORWARD_ROWS_AMD = (1, 40)
+
+
+def _avx512_forward_rows() -> tuple[int, int]:
+    return AVX512_FORWARD_ROWS_AMD if _vendor_is_amd() else AVX512_FORWARD_ROWS
 
 
 def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
-    AVX512_FORWARD_ROWS rows; returns whether it ran (when False, `out` is untouched)."""
+    AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's); returns whether it ran (when False, `out` is untouched)."""
     rows = x.shape[0]
-    found = _avx512_for(rows, AVX512_FORWARD_ROWS, (x, w), out)
+    found = _avx512_for(rows, _avx512_forward_rows(), (x, w), out)
     if found is None:
         return False
     linear, openmp = found[0][0], found[1]

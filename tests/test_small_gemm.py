@@ -656,10 +656,12 @@ def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 12, 17, 33, 64])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (64, 1040), (40, 3584)])
-def test_avx512_linear_matches_float64(rows, shape):
+def test_avx512_linear_matches_float64(monkeypatch, rows, shape):
     """x·wᵀ into a slice of a wider tensor (margins untouched): tiles of 4 rows by 6, their
-    tails, I not a multiple of 16 and I past one 512-element chunk (partial sums carried)."""
+    tails, I not a multiple of 16 and I past one 512-element chunk (partial sums carried).
+    The kernel's whole range (AMD's CPUs send it fewer rows: widened here)."""
     _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: _small_gemm.AVX512_FORWARD_ROWS)
     O, I = shape
     x, w = _strided(rows, I), _strided(O, I)
     wide = torch.full((rows, O + 6), float("nan"))
@@ -672,7 +674,7 @@ def test_avx512_linear_matches_float64(rows, shape):
 
 def test_avx512_linear_declines_what_it_does_not_take():
     _needs_avx512_kernel()
-    lo, hi = _small_gemm.AVX512_FORWARD_ROWS
+    lo, hi = _small_gemm._avx512_forward_rows()
     w, out = torch.randn(24, 40), torch.full((hi + 1, 24), 7.0)
     for rows in (lo - 1, hi + 1):
         assert not _small_gemm.avx512_linear_into(out[:rows], torch.randn(rows, 40), w)
@@ -681,6 +683,22 @@ def test_avx512_linear_declines_what_it_does_not_take():
     assert bool((out == 7).all())
     with pytest.raises(ValueError, match="do not fit"):
         _small_gemm.avx512_linear_into(out[:lo, :20], torch.randn(lo, 40), w)
+
+
+@pytest.mark.parametrize("amd", [True, False])
+def test_avx512_linear_row_range_by_vendor(monkeypatch, amd):
+    """On AMD's AVX-512 CPUs (forced here) the forward kernel takes up to
+    AVX512_FORWARD_ROWS_AMD rows and leaves larger blocks to oneDNN; elsewhere up to
+    AVX512_FORWARD_ROWS."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: amd)
+    hi = (_small_gemm.AVX512_FORWARD_ROWS_AMD if amd else _small_gemm.AVX512_FORWARD_ROWS)[1]
+    assert hi < _small_gemm.AVX512_FORWARD_ROWS[1] or not amd
+    w = torch.randn(24, 40)
+    for rows, taken in ((hi, True), (hi + 1, False)):
+        out = torch.full((rows, 24), 7.0)
+        assert _small_gemm.avx512_linear_into(out, torch.randn(rows, 40), w) == taken
+        assert bool((out == 7).all()) != taken
 
 
 def test_avx512_weight_grad_declines_what_it_does_not_take():
@@ -1029,7 +1047,7 @@ def _layer_against_float64(T: int, moe: MoE | None = None, seed: int = 3):
 def _avx2_kernels(monkeypatch):
     """The AVX2 kernel's paths whatever this CPU is (on AVX-512 CPUs the AVX-512 kernels and
     torch's choices would take some of these products first; they are tested on their own)."""
-    monkeypatch.setattr(_small_gemm, "AVX512_FORWARD_ROWS", (1, 0))
+    monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: (1, 0))
     monkeypatch.setattr(_small_gemm, "_torch_on_avx512", lambda: False)
     monkeypatch.setattr(_small_gemm, "_bf16_blocks_entry_points", lambda: None)  # (AVX512-BF16's)
 
