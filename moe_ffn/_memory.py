@@ -16,7 +16,9 @@ advised; 64 MiB: 14–16 against 85–289 ms), and the advice on each step's fre
 accumulators cost bf16 forward+backward at T = 2048 4–12 % (interleaved A/B in one process:
 Mixtral 426 → 409 ms, fine-grained 313 → 279; T = 256 level). So the advice is given only
 where `huge_pages_pay()` finds huge pages faulting in at least as fast (a one-time probe,
-or MOE_FFN_HUGE_PAGES=1 / 0 to decide without one).
+or MOE_FFN_HUGE_PAGES=1 / 0 to decide without one). There the slow first touches come and go
+(the kernel compacting memory to find a free huge page, `defrag` = madvise): most are fast,
+a third to a half take 10–40 ms per huge page, so the probe sums several rounds.
 
 Zero-filled buffers (`zeros`) are the weight gradients: an expert that received no rows has an
 exact zero gradient, and of E = 64 experts a decode-sized step touches 8. `torch.zeros` writes
@@ -98,19 +100,31 @@ def _first_touch_seconds(advise: bool) -> float:
 def huge_pages_pay() -> bool:
     """Whether fresh buffers are asked for huge pages here: MOE_FFN_HUGE_PAGES=1 or 0 if set
     (read once per process); else whether madvise is available and huge pages faulted in at
-    least as fast as 4 KiB pages, the better of two first touches of 4 MiB each (module doc;
-    ~2 ms where they pay, ~45 ms once where they do not)."""
+    least as fast as 4 KiB pages over _PROBE_ROUNDS first touches of 4 MiB each, the times
+    summed (module doc; ~6 ms where they pay, up to ~200 ms once where they stall)."""
     setting = os.environ.get("MOE_FFN_HUGE_PAGES")
     if setting in ("0", "1"):
         return setting == "1"
     if _madvise() is None:
         return False
     try:
-        plain = min(_first_touch_seconds(False) for _ in range(2))
-        advised = min(_first_touch_seconds(True) for _ in range(2))
+        plain = advised = 0.0
+        for _ in range(_PROBE_ROUNDS):
+            plain += _first_touch_seconds(False)
+            advised += _first_touch_seconds(True)
     except (OSError, ValueError, BufferError):
         return False
     return advised <= plain
+
+
+# Rounds of the probe, each a first touch without and with the advice, the times summed: on the
+# 2-core EPYC of family 26 (2026-12-03) advised first touches were bimodal, 0.07 ms per huge
+# page most of the time and 10–40 ms where the kernel compacted memory for one (a third to a
+# half of them), against a steady ~0.5 ms for 4 KiB pages. The better of two touches, which
+# the probe took before, said "pay" in about half of the processes; there a fresh 32 MiB
+# accumulator then took up to 57 ms to zero in Mixtral's bf16 forward at T = 8192 (~480 ms).
+# Summed, one slow touch in five decides against the advice.
+_PROBE_ROUNDS = 5
 
 
 def advise_huge_pages(t: Tensor) -> Tensor:

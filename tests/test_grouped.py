@@ -785,3 +785,33 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
     big = grouped._ONEDNN_MAX_ROWS + 8
     _float32_blocks_match_float64(torch.tensor([1, big, 0, 12]), 128, 128, bias=bias)
     assert [r for r in rows if r > grouped._ONEDNN_MAX_ROWS] == ([big, big] if avx2_width else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch, dtype):
+    """The forward's float32 sum over each token's slots and the backward's input gradient sum
+    are temporaries where the result is cast from them (bf16 layers): scratch memory, reused
+    step after step; where the sum is the result itself (float32) it is fresh memory, never
+    the pool's. The results match the float32 op either way."""
+    calls = []
+    real = grouped._memory.scratch
+    monkeypatch.setattr(
+        grouped._memory, "scratch", lambda like, *shape, dtype=None: calls.append((shape, dtype)) or real(like, *shape, dtype=dtype)
+    )
+    torch.manual_seed(3)
+    T, D, F = 64, 32, 16
+    x = torch.randn(T, D).to(dtype).requires_grad_()
+    w1, w2 = (torch.randn(2, 2 * F, D) / 6).to(dtype), (torch.randn(2, D, F) / 4).to(dtype)
+    token_N = torch.randperm(T)
+    weight_N = torch.rand(T)
+    counts = torch.tensor([30, 34])
+    y = routed_ffn(x, w1, w2, counts, token_N, weight_N, activation="silu", gated=True)
+    y.backward(torch.ones_like(y))
+    sums = [c for c in calls if c == ((T, D), torch.float32)]
+    assert len(sums) == (2 if dtype == torch.bfloat16 else 0)
+    x32 = x.detach().float().requires_grad_()
+    y32 = routed_ffn(x32, w1.float(), w2.float(), counts, token_N, weight_N, activation="silu", gated=True)
+    y32.backward(torch.ones_like(y32))
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), y32, atol=tol, rtol=tol)
+    torch.testing.assert_close(x.grad.float(), x32.grad, atol=tol, rtol=tol)
