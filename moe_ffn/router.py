@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_ffn import _memory
 from moe_ffn.config import Routing
 
 __all__ = ["TopKRouter", "RouterOutput", "router_dtype"]
@@ -88,12 +89,24 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """x_TD: [T, D] → the routing of every token (logits, probabilities, top-k, weights)."""
         dtype = router_dtype(x_TD.dtype)
+        x_r = self._in_router_dtype(x_TD, dtype)
         if torch.is_autocast_enabled(x_TD.device.type):
             with torch.autocast(x_TD.device.type, enabled=False):
-                logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+                logits_TE = F.linear(x_r, self.weight.to(dtype))
         else:  # (entering an autocast context costs more than the whole router at decode)
-            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+            logits_TE = F.linear(x_r, self.weight.to(dtype))
         return self.route(logits_TE)
+
+    def _in_router_dtype(self, x_TD: Tensor, dtype: torch.dtype) -> Tensor:
+        """x in the router's dtype (exact: a widening). Without autograd the copy is a temporary
+        of this call and goes on scratch memory (reused from call to call): a fresh float32 copy
+        of a bf16 step faulted its pages in every call, 19.9 → 6.5 ms for Mixtral's router at
+        T = 8192 (inference, the 2-core EPYC of family 26), 26.7 → 14.4 ms for 64 experts. With
+        autograd the copy is saved for the weight's gradient and stays a fresh tensor (on scratch
+        memory the step ran 38 → 68 ms there)."""
+        if x_TD.dtype == dtype or (torch.is_grad_enabled() and (x_TD.requires_grad or self.weight.requires_grad)):
+            return x_TD.to(dtype)
+        return _memory.scratch(x_TD, *x_TD.shape, dtype=dtype).copy_(x_TD)
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
         """The selection rule alone: given logits [T, E] → top-k experts and their weights.

@@ -259,6 +259,33 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad):
+    """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
+    float32 rounding of the float64 product, with and without autograd; without it the widened
+    copy of x is a temporary on scratch memory (`_memory.scratch`), with it (saved for the
+    weight's gradient) a fresh tensor."""
+    from moe_ffn import router as router_module
+
+    calls = []
+    real = router_module._memory.scratch
+    monkeypatch.setattr(
+        router_module._memory, "scratch", lambda like, *shape, dtype=None: calls.append(shape) or real(like, *shape, dtype=dtype)
+    )
+    torch.manual_seed(5)
+    moe = MoE(dim=96, hidden_dim=32, num_experts=8, top_k=2).to(torch.bfloat16)
+    x = torch.randn(300, 96).bfloat16()
+    logits64 = x.double() @ moe.router.weight.double().T
+    with torch.set_grad_enabled(grad):
+        route = moe.router(x)
+    bound = 96 * 2.0**-24 * (x.double().abs() @ moe.router.weight.double().abs().T)
+    assert ((route.logits_TE.double() - logits64).abs() <= bound).all()
+    assert calls == ([] if grad else [(300, 96)])
+    with torch.no_grad():
+        again = moe.router(x).logits_TE
+    assert torch.equal(again, route.logits_TE.detach())
+
+
 def test_autocast_cpu():
     moe = MoE(dim=32, hidden_dim=48, num_experts=4, top_k=2)
     x = torch.randn(6, 32)
