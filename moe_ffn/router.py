@@ -27,6 +27,51 @@ def router_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _logits(x_TD: Tensor, w_ED: Tensor) -> Tensor:
+    """x·Wᵀ in the router's dtype. Low-precision tokens are widened exactly (a copy of x in
+    float32) on scratch memory, a temporary of the call reused from call to call, where a fresh
+    float32 copy of a bf16 step faulted its pages in every call; with autograd the copy is not
+    saved for backward either (`_WidenedLogits`). The 2-core EPYC of family 26, Mixtral's router
+    at T = 8192 alone, inference 19.9 → 6.5 ms, 64 experts 26.7 → 14.4 ms."""
+    dtype = router_dtype(x_TD.dtype)
+    if x_TD.dtype == dtype:
+        return F.linear(x_TD, w_ED.to(dtype))
+    if torch.is_grad_enabled() and (x_TD.requires_grad or w_ED.requires_grad):
+        return _WidenedLogits.apply(x_TD, w_ED)
+    return F.linear(_widened(x_TD, dtype), w_ED.to(dtype))
+
+
+def _widened(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return _memory.scratch(t, *t.shape, dtype=dtype).copy_(t)
+
+
+class _WidenedLogits(torch.autograd.Function):
+    """x·Wᵀ of low-precision x in float32 (float64 for float64 W), with the gradients that
+    F.linear(x.to(dtype), W.to(dtype)) has (the same products, each rounded back to its input's
+    dtype once), keeping x as it is for backward and widening it again there on scratch memory,
+    instead of saving a fresh widened copy (x.to(dtype) made one, autograd kept it, and the
+    gradient of x went through a fresh float32 [T, D] too). Router forward+backward alone,
+    Mixtral's at T = 8192: ~33 ms before (three thin sgemms on fresh memory 17, the casts 10)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        dtype = router_dtype(x_TD.dtype)
+        return F.linear(_widened(x_TD, dtype), w_ED.to(dtype))
+
+    @staticmethod
+    def backward(ctx, g_TE: Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        dtype = g_TE.dtype
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_TD = _memory.scratch(g_TE, x_TD.shape[0], x_TD.shape[1], dtype=dtype)
+            grad_x = torch.mm(g_TE, w_ED.to(dtype), out=g_TD).to(x_TD.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(g_TE.t(), _widened(x_TD, dtype)).to(w_ED.dtype)
+        return grad_x, grad_w
+
+
 @dataclass(frozen=True)
 class RouterOutput:
     logits_TE: Tensor  # x·Wᵀ in router precision
@@ -88,25 +133,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """x_TD: [T, D] → the routing of every token (logits, probabilities, top-k, weights)."""
-        dtype = router_dtype(x_TD.dtype)
-        x_r = self._in_router_dtype(x_TD, dtype)
         if torch.is_autocast_enabled(x_TD.device.type):
             with torch.autocast(x_TD.device.type, enabled=False):
-                logits_TE = F.linear(x_r, self.weight.to(dtype))
+                logits_TE = _logits(x_TD, self.weight)
         else:  # (entering an autocast context costs more than the whole router at decode)
-            logits_TE = F.linear(x_r, self.weight.to(dtype))
+            logits_TE = _logits(x_TD, self.weight)
         return self.route(logits_TE)
-
-    def _in_router_dtype(self, x_TD: Tensor, dtype: torch.dtype) -> Tensor:
-        """x in the router's dtype (exact: a widening). Without autograd the copy is a temporary
-        of this call and goes on scratch memory (reused from call to call): a fresh float32 copy
-        of a bf16 step faulted its pages in every call, 19.9 → 6.5 ms for Mixtral's router at
-        T = 8192 (inference, the 2-core EPYC of family 26), 26.7 → 14.4 ms for 64 experts. With
-        autograd the copy is saved for the weight's gradient and stays a fresh tensor (on scratch
-        memory the step ran 38 → 68 ms there)."""
-        if x_TD.dtype == dtype or (torch.is_grad_enabled() and (x_TD.requires_grad or self.weight.requires_grad)):
-            return x_TD.to(dtype)
-        return _memory.scratch(x_TD, *x_TD.shape, dtype=dtype).copy_(x_TD)
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
         """The selection rule alone: given logits [T, E] → top-k experts and their weights.

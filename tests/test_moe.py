@@ -262,9 +262,10 @@ def test_bf16_input_picks_the_float64_router_choice():
 @pytest.mark.parametrize("grad", [False, True])
 def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
-    float32 rounding of the float64 product, with and without autograd; without it the widened
-    copy of x is a temporary on scratch memory (`_memory.scratch`), with it (saved for the
-    weight's gradient) a fresh tensor."""
+    float32 rounding of the float64 product, with and without autograd; the widened copy of x
+    is a temporary on scratch memory (`_memory.scratch`) either way (with autograd made again
+    for the weight's gradient), and the gradients are bit for bit those of F.linear on the
+    widened tensors."""
     from moe_ffn import router as router_module
 
     calls = []
@@ -274,16 +275,25 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     )
     torch.manual_seed(5)
     moe = MoE(dim=96, hidden_dim=32, num_experts=8, top_k=2).to(torch.bfloat16)
-    x = torch.randn(300, 96).bfloat16()
-    logits64 = x.double() @ moe.router.weight.double().T
+    x = torch.randn(300, 96).bfloat16().requires_grad_(grad)
+    logits64 = x.detach().double() @ moe.router.weight.detach().double().T
     with torch.set_grad_enabled(grad):
         route = moe.router(x)
-    bound = 96 * 2.0**-24 * (x.double().abs() @ moe.router.weight.double().abs().T)
-    assert ((route.logits_TE.double() - logits64).abs() <= bound).all()
-    assert calls == ([] if grad else [(300, 96)])
+    bound = 96 * 2.0**-24 * (x.detach().double().abs() @ moe.router.weight.detach().double().abs().T)
+    assert ((route.logits_TE.detach().double() - logits64).abs() <= bound).all()
+    assert calls == [(300, 96)]
     with torch.no_grad():
         again = moe.router(x).logits_TE
     assert torch.equal(again, route.logits_TE.detach())
+    calls.clear()
+    if grad:
+        g = torch.randn(300, 8)
+        route.logits_TE.backward(g)
+        plain = torch.nn.functional.linear(x.float(), moe.router.weight.float())
+        want = torch.autograd.grad(plain, (x, moe.router.weight), g)
+        assert torch.equal(plain, route.logits_TE.detach())
+        assert torch.equal(x.grad, want[0]) and torch.equal(moe.router.weight.grad, want[1])
+        assert calls == [(300, 96), (300, 96)]  # backward: g·W's float32 result, x widened again
 
 
 def test_autocast_cpu():
