@@ -671,10 +671,6 @@ void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
 // w is read from memory once).
 constexpr int64_t kGroupRows = 16;
 
-// next (or nullptr): the next tile's COLS rows of w, prefetched line by line as this tile runs
-// (row j's line l at step 16·l + j): each tile reads its rows of w once, from memory where no
-// earlier row tile of the block has (per product, 32 rows: 507–764 → 650–826 GFLOP/s; level
-// from 256 rows, where every chunk of w passes through several row tiles from L2).
 // 8 columns of 16 rows each (cols[j]: the column's rows 0–7 in the low 128 bits, 8–15 in the
 // high) stored as rows: rows [0, n) of y, each row's first lanes of `mask` (columns). A 16-bit
 // 8×8 transpose in each 128-bit half (three rounds of unpacks), then one masked store a row:
@@ -703,6 +699,10 @@ inline void store_rows8(const __m256i (&cols)[8], bf16_t* y, int64_t ldy, int64_
   }
 }
 
+// next (or nullptr): the next tile's COLS rows of w, prefetched line by line as this tile runs
+// (row j's line l at step 16·l + j): each tile reads its rows of w once, from memory where no
+// earlier row tile of the block has (per product, 32 rows: 507–764 → 650–826 GFLOP/s; level
+// from 256 rows, where every chunk of w passes through several row tiles from L2).
 template <int V, int COLS>
 void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y,
                 int64_t ldy, int64_t rows, const bf16_t* next) {

@@ -687,7 +687,8 @@ def _avx512_forward_rows() -> tuple[int, int]:
 
 def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
-    AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's); returns whether it ran (when False, `out` is untouched)."""
+    AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's); returns whether it ran (when
+    False, `out` is untouched)."""
     rows = x.shape[0]
     found = _avx512_for(rows, _avx512_forward_rows(), (x, w), out)
     if found is None:

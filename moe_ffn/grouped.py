@@ -73,15 +73,6 @@ _BF16_DECODE_ROWS = 16
 # faster for 4–256 rows (x·Wᵀ and g·W layouts) and ties from ~1024 rows. Weight gradients
 # (gᵀ·x) stay on torch.mm, which is as fast or faster there.
 _ONEDNN_MAX_ROWS = 512
-# Where MKL's sgemm runs its AVX2 code on an AVX-512 CPU (AMD's, `sgemm_at_avx2_width`),
-# oneDNN runs float32 x·Wᵀ on 512-bit FMAs at every size, and takes the larger blocks too. The
-# 2-core EPYC of family 26 (2026-12-03, GFLOP/s sgemm → oneDNN with the copy into the output,
-# 7 repeats): 384–2048 rows through the benchmark's four weights 171–209 → 355–460.
-_ONEDNN_ANY_ROWS = math.inf
-
-
-def _onednn_max_rows() -> float:
-    return _ONEDNN_ANY_ROWS if _small_gemm.sgemm_at_avx2_width() else _ONEDNN_MAX_ROWS
 # ... and at least this many multiply-adds, or a weight of at least this many elements: oneDNN
 # always runs its two threads, and below these sizes the hand-off costs more than it saves
 # (badly so on a loaded machine). The weight-size rule is decode's: with 1–16 rows the product
@@ -92,6 +83,16 @@ def _onednn_max_rows() -> float:
 # fp32 166 → 159 and 158 → 154 ms, bf16 125 → 117 ms; forward+backward 499 → 473 ms.)
 _ONEDNN_MIN_MACS = 1 << 23
 _ONEDNN_MIN_WEIGHT = 1 << 20
+
+# Where MKL's sgemm runs its AVX2 code on an AVX-512 CPU (AMD's, `sgemm_at_avx2_width`),
+# oneDNN runs float32 x·Wᵀ on 512-bit FMAs at every size, and takes the larger blocks too. The
+# 2-core EPYC of family 26 (2026-12-03, GFLOP/s sgemm → oneDNN with the copy into the output,
+# 7 repeats): 384–2048 rows through the benchmark's four weights 171–209 → 355–460.
+_ONEDNN_ANY_ROWS = math.inf
+
+
+def _onednn_max_rows() -> float:
+    return _ONEDNN_ANY_ROWS if _small_gemm.sgemm_at_avx2_width() else _ONEDNN_MAX_ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -933,9 +934,10 @@ def _accumulator(like: Tensor, rows: int, cols: int, result_dtype: torch.dtype, 
     """A zeroed [rows, cols] sum over each token's slots, in `dtype` (default like's). Where
     the op's result is this sum cast to another dtype (bf16 layers), the sum is a temporary of
     the call and lives on scratch memory (`_memory.scratch`: reused, once nothing holds it, by the
-    next step's); a sum that is itself the result is fresh memory. Why: on the 2-core EPYC of
-    family 26 a fresh buffer's first touch varied from 2 ms to 57 ms for 32 MiB (huge pages
-    that the kernel had to compact memory for), a tenth of Mixtral's bf16 forward at T = 8192."""
+    next step's); a sum that is itself the result is fresh memory. Why: a fresh buffer's pages
+    fault in on their first touch, ~8 ms for Mixtral's 32 MiB at T = 8192 on 4 KiB pages on the
+    2-core EPYC of family 26, and up to 57 ms (a tenth of that forward) on huge pages the kernel
+    had to compact memory for."""
     dtype = like.dtype if dtype is None else dtype
     make = _memory.scratch if dtype != result_dtype else _memory.empty
     return make(like, rows, cols, dtype=dtype).zero_()

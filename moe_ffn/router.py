@@ -46,7 +46,7 @@ def _widened(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class _WidenedLogits(torch.autograd.Function):
-    """x·Wᵀ of low-precision x in float32 (float64 for float64 W), with the gradients that
+    """x·Wᵀ of low-precision x in the router's dtype (float32), with the gradients that
     F.linear(x.to(dtype), W.to(dtype)) has (the same products, each rounded back to its input's
     dtype once), keeping x as it is for backward and widening it again there on scratch memory,
     instead of saving a fresh widened copy (x.to(dtype) made one, autograd kept it, and the
