@@ -38,11 +38,15 @@ def _logits(x_TD: Tensor, w_ED: Tensor) -> Tensor:
         return F.linear(x_TD, w_ED.to(dtype))
     if torch.is_grad_enabled() and (x_TD.requires_grad or w_ED.requires_grad):
         return _WidenedLogits.apply(x_TD, w_ED)
-    return F.linear(_widened(x_TD, dtype), w_ED.to(dtype))
+    return _widened_linear(x_TD, w_ED, dtype)
 
 
 def _widened(t: Tensor, dtype: torch.dtype) -> Tensor:
     return _memory.scratch(t, *t.shape, dtype=dtype).copy_(t)
+
+
+def _widened_linear(x_TD: Tensor, w_ED: Tensor, dtype: torch.dtype) -> Tensor:
+    return F.linear(_widened(x_TD, dtype), w_ED.to(dtype))
 
 
 class _WidenedLogits(torch.autograd.Function):
@@ -56,8 +60,7 @@ class _WidenedLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
         ctx.save_for_backward(x_TD, w_ED)
-        dtype = router_dtype(x_TD.dtype)
-        return F.linear(_widened(x_TD, dtype), w_ED.to(dtype))
+        return _widened_linear(x_TD, w_ED, router_dtype(x_TD.dtype))
 
     @staticmethod
     def backward(ctx, g_TE: Tensor):
