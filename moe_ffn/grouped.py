@@ -95,6 +95,56 @@ def _onednn_max_rows() -> float:
     return _ONEDNN_ANY_ROWS if _small_gemm.sgemm_at_avx2_width() else _ONEDNN_MAX_ROWS
 
 
+# oneDNN's GEMMs (torch's bf16 matmul on CPU, and the float32 inner product above) lose a tenth
+# to a third of their rate at many row counts that are not a multiple of their blocking, and an
+# expert's block can have any count. Blocks past this many rows are multiplied as their largest
+# multiple of it, then the rest. The 2-core EPYC of family 26 (2026-12-03, torch.mm into a given
+# output, GFLOP/s, medians of 5 interleaved repeats), whole → in two parts: Mixtral's 1024→7168
+# at 2077 rows 547 → 792, 2094 rows 687 → 764, 517 rows 494 → 737; its 3584→1024 at 2077 rows
+# 634 → 812; 12 random counts from 1500–2600 rows through 1024→7168 1.072× in sum (worst
+# 0.978×), from 200–1100 through 3584→1024 1.023× (worst 0.980×); input gradients g·W alike
+# (2077 rows 556–567 → 771–785); the float32 inner product through 1024→7168 at 2077 rows
+# 238 → 316, 517 rows 269 → 390. Parts of 64 or 128 rows left some counts worse (0.89×).
+# Weight gradients, whose rows are the inner dimension, run level at every count (MKL's float32
+# sgemm too) and stay whole. The rest is a second read of the weight: in `_linear_into` it goes
+# the way a block of its rows goes (float32 ones of 1–40 rows to moe_ffn's kernel: through
+# oneDNN or the sgemm rules above they cost up to 4 ms against a 512-row head's 18, and the
+# float32 forward at T=2048 lost 5 %). Layer, interleaved A/B (5–9 rounds): Mixtral bf16 forward
+# at T=8192, its 16 products 417 → 395 ms (each at 909–918 GFLOP/s, from 753–928), the layer
+# 1.017× (1.070× in a slower spell); forward+backward 1.010×; float32 forward 1.045×; fine-
+# grained float32 forward at T=8192 1.020×; at T=2048 (blocks of ~256 and ~512 rows) level
+# (0.992–1.011×).
+_ONEDNN_ROW_QUANTUM = 256
+
+
+def _onednn_row_parts(rows: int) -> tuple[slice, ...]:
+    """A block's rows as oneDNN multiplies them fastest (see _ONEDNN_ROW_QUANTUM)."""
+    head = rows - rows % _ONEDNN_ROW_QUANTUM
+    return (slice(0, head), slice(head, rows)) if 0 < head < rows else (slice(0, rows),)
+
+
+def _on_onednn(x: Tensor, cdt: torch.dtype) -> bool:
+    """Whether `_linear_into` sends a block of x's rows (in `cdt`) to one of oneDNN's GEMMs,
+    unless a kernel of moe_ffn's takes it first."""
+    if x.device.type != "cpu":
+        return False
+    if cdt in (torch.bfloat16, torch.float16):
+        return True
+    return cdt == torch.float32 and x.shape[0] <= _onednn_max_rows() and _onednn_linear_available()
+
+
+def _linear_by_parts(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Optional[Tensor]:
+    """x·wᵀ + b in oneDNN's row parts, each the way `_linear` takes a block of its rows; None
+    where the block is one part."""
+    parts = _onednn_row_parts(x.shape[0])
+    if len(parts) == 1:
+        return None
+    y = out if out is not None else x.new_empty(x.shape[0], w.shape[0])
+    for rows in parts:
+        _linear(x[rows], w, b, out=y[rows])
+    return y
+
+
 @functools.lru_cache(maxsize=None)
 def _onednn_linear_available() -> bool:
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -206,6 +256,12 @@ def _linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tens
 def _linear_product(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.device.type != "cpu" or rows == 0:
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and rows:
+            y = _linear_by_parts(x, w, b, out)  # (torch's low-precision GEMM is oneDNN's)
+            if y is not None:
+                return y
+        if out is not None and out.dtype == x.dtype and rows:  # (no copy of a fresh result)
+            return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
         return F.linear(x, w, b)
     if b is None and not w.is_contiguous():  # g·W, an input gradient (see _small_gemm)
         if _small_gemm.sgemm_at_avx2_width():
@@ -307,6 +363,10 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], cdt: to
         cdt = out.dtype  # decode-sized block: native GEMV (see _NATIVE_LOWP_MAX_ROWS)
     if cdt != x.dtype or cdt != w.dtype:
         x, w, b = x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
+    if _on_onednn(x, cdt) and len(parts := _onednn_row_parts(x.shape[0])) > 1:
+        for rows in parts:  # (each part the way a block of its rows goes, the last one too)
+            _linear_into(out[rows], x[rows], w, b, cdt)
+        return
     if b is None and _small_gemm.avx512_linear_into(out, x, w):  # float32, AVX-512 CPUs, 1–64 rows
         return
     if _small_gemm.linear_into(out, x, w, b):  # small float32 blocks on x86 (see _small_gemm)

@@ -769,8 +769,9 @@ def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(
 def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(monkeypatch, bias, avx2_width):
     """Forward blocks past grouped._ONEDNN_MAX_ROWS go to oneDNN's inner product where MKL's
     sgemm runs at AVX2 width on an AVX-512 CPU (_small_gemm.sgemm_at_avx2_width, forced here),
-    to the BLAS elsewhere (forced off): the 520-row block's two projections, not the others';
-    the float64 loop's outputs and gradients come out either way."""
+    to the BLAS elsewhere (forced off): the 520-row block's two projections, not the others'
+    (in oneDNN's row parts: its first 512 rows in one product); the float64 loop's outputs and
+    gradients come out either way."""
     if not grouped._onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
     monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: avx2_width)
@@ -784,7 +785,53 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     big = grouped._ONEDNN_MAX_ROWS + 8
     _float32_blocks_match_float64(torch.tensor([1, big, 0, 12]), 128, 128, bias=bias)
-    assert [r for r in rows if r > grouped._ONEDNN_MAX_ROWS] == ([big, big] if avx2_width else [])
+    head = big - big % grouped._ONEDNN_ROW_QUANTUM
+    assert [r for r in rows if r >= head] == ([head, head] if avx2_width else [])
+
+
+def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only):
+    """Native bf16 blocks on torch's GEMM (oneDNN's on CPUs; forced here) are multiplied as
+    their largest multiple of grouped._ONEDNN_ROW_QUANTUM rows, then the rest: the 300-row
+    block as 256 + 44 in the forward and in both input gradients, the 256- and 40-row blocks
+    whole. Outputs and gradients within bf16 rounding of the float64 loop."""
+    monkeypatch.setattr(grouped, "_lowp_is_slow", lambda t: False)
+    assert grouped._ONEDNN_ROW_QUANTUM == 256
+    rows = []
+    for name in ("mm", "addmm"):
+        real = getattr(torch, name)
+
+        def spy(*args, real=real, **kwargs):
+            a = args[-2]  # x (or g) of x·wᵀ; the weight gradients' gᵀ·x have rows inner
+            if a.dtype == torch.bfloat16 and a.is_contiguous():
+                rows.append(a.shape[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    torch.manual_seed(5)
+    D, F = 32, 24
+    counts = torch.tensor([300, 0, 256, 40])
+    E, N = counts.numel(), int(counts.sum())
+    x64 = torch.randn(N, D, **f64)
+    w1_64, w2_64 = torch.randn(E, 2 * F, D, **f64) / D**0.5, torch.randn(E, D, F, **f64) / F**0.5
+    leaves = [t.bfloat16().requires_grad_() for t in (x64, w1_64, w2_64)]
+    y = grouped_ffn(*leaves, counts, None, None, activation="silu", gated=True)
+    assert sorted(rows) == sorted([256, 44, 256, 40] * 2)  # both projections
+    g = torch.randn(N, D, **f64)
+    rows.clear()
+    got = torch.autograd.grad((y.double() * g).sum(), leaves)
+    assert sorted(rows) == sorted([256, 44, 256, 40] * 2)  # both input gradients
+    refs64 = [t.clone().requires_grad_() for t in (x64, w1_64, w2_64)]
+    x, w1, w2 = (t.bfloat16().double() for t in refs64)  # the bf16 values, in float64
+    outs = []
+    for e, s, t in _blocks(counts.tolist()):
+        if t > s:
+            h = x[s:t] @ w1[e].T
+            outs.append((act("silu", h[:, :F]) * h[:, F:]) @ w2[e].T)
+    ref = torch.cat(outs)
+    torch.testing.assert_close(y.double(), ref, atol=2e-2 * float(ref.detach().abs().max()), rtol=0)
+    want = torch.autograd.grad((ref * g).sum(), refs64)
+    for name, a, r in zip(["x", "w1", "w2"], got, want):
+        torch.testing.assert_close(a.double(), r, atol=3e-2 * float(r.abs().max()), rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
