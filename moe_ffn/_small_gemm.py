@@ -755,6 +755,19 @@ def sgemm_at_avx2_width() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def onednn_linear_available() -> bool:
+    """Whether torch has oneDNN's float32 inner product (torch.ops.mkldnn._linear_pointwise)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return False
+    try:
+        op(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def _vendor_is_amd() -> bool:
     try:
         return "vendor_id\t: AuthenticAMD" in Path("/proc/cpuinfo").read_text()

@@ -145,16 +145,7 @@ def _linear_by_parts(x: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Te
     return y
 
 
-@functools.lru_cache(maxsize=None)
-def _onednn_linear_available() -> bool:
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if op is None:
-        return False
-    try:
-        op(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], "")
-    except RuntimeError:
-        return False
-    return True
+_onednn_linear_available = _small_gemm.onednn_linear_available  # (the router uses it too)
 
 
 @functools.lru_cache(maxsize=None)

@@ -259,15 +259,21 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
+@pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
-def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad):
+def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, onednn):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
     float32 rounding of the float64 product, with and without autograd; the widened copy of x
     is a temporary on scratch memory (`_memory.scratch`) either way (with autograd made again
-    for the weight's gradient), and the gradients are bit for bit those of F.linear on the
-    widened tensors."""
+    for the weight's gradient), and the gradients are within float32 rounding of float64's and
+    bit for bit those of the float32 products on the widened tensors: F.linear's, or where MKL's
+    sgemm runs at AVX2 width (forced on here) oneDNN's inner product for the logits and the
+    weight's gradient (the input's stays torch.mm)."""
     from moe_ffn import router as router_module
 
+    if onednn and not router_module._small_gemm.onednn_linear_available():
+        pytest.skip("torch has no oneDNN inner product here")
+    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: onednn)
     calls = []
     real = router_module._memory.scratch
     monkeypatch.setattr(
@@ -276,11 +282,11 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     torch.manual_seed(5)
     moe = MoE(dim=96, hidden_dim=32, num_experts=8, top_k=2).to(torch.bfloat16)
     x = torch.randn(300, 96).bfloat16().requires_grad_(grad)
-    logits64 = x.detach().double() @ moe.router.weight.detach().double().T
+    x64, w64 = x.detach().double(), moe.router.weight.detach().double()
     with torch.set_grad_enabled(grad):
         route = moe.router(x)
-    bound = 96 * 2.0**-24 * (x.detach().double().abs() @ moe.router.weight.detach().double().abs().T)
-    assert ((route.logits_TE.detach().double() - logits64).abs() <= bound).all()
+    bound = 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)
+    assert ((route.logits_TE.detach().double() - x64 @ w64.T).abs() <= bound).all()
     assert calls == [(300, 96)]
     with torch.no_grad():
         again = moe.router(x).logits_TE
@@ -289,11 +295,20 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     if grad:
         g = torch.randn(300, 8)
         route.logits_TE.backward(g)
-        plain = torch.nn.functional.linear(x.float(), moe.router.weight.float())
-        want = torch.autograd.grad(plain, (x, moe.router.weight), g)
-        assert torch.equal(plain, route.logits_TE.detach())
-        assert torch.equal(x.grad, want[0]) and torch.equal(moe.router.weight.grad, want[1])
         assert calls == [(300, 96), (300, 96)]  # backward: g·W's float32 result, x widened again
+        g64 = g.double()
+        w_bound = 300 * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * (g64.T @ x64).abs()
+        assert ((moe.router.weight.grad.double() - g64.T @ x64).abs() <= w_bound).all()  # (+ bf16 rounding)
+        xf, wf = x.detach().float(), moe.router.weight.detach().float()
+        if onednn:
+            linear = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+            plain, want_w = linear(xf, wf), linear(g.t().contiguous(), xf.t()).bfloat16()
+            want_x = torch.mm(g, wf).bfloat16()
+        else:
+            plain = torch.nn.functional.linear(x.float(), moe.router.weight.float())
+            want_x, want_w = torch.autograd.grad(plain, (x, moe.router.weight), g)
+        assert torch.equal(plain.detach(), route.logits_TE.detach())
+        assert torch.equal(x.grad, want_x) and torch.equal(moe.router.weight.grad, want_w)
 
 
 def test_autocast_cpu():
