@@ -41,16 +41,21 @@ def _logits(x_TD: Tensor, w_ED: Tensor) -> Tensor:
     return _widened_linear(x_TD, w_ED, dtype)
 
 
+_ONEDNN_MIN_MACS = 1 << 22
+
+
 def _linear32(a: Tensor, b: Tensor) -> Tensor:
     """a·bᵀ, on oneDNN's inner product for float32 where MKL's sgemm runs its AVX2 code on an
     AVX-512 CPU (AMD's: _small_gemm.sgemm_at_avx2_width), F.linear elsewhere. The router's thin
     products on the 2-core EPYC of family 26 (ms, medians of 9, D = 1024, E = 64 / 8), sgemm →
     oneDNN: logits x·Wᵀ at T = 2048 1.64 → 0.64 / 0.50 → 0.29, at T = 8192 6.88 → 2.79 / 2.72
     → 1.19; the weight gradient gᵀ·x at T = 2048 2.08 → 0.79 / 0.51 → 0.26, at T = 8192 9.08
-    → 3.66 / 3.15 → 1.59. (The input gradient g·W stays on torch.mm into scratch memory:
-    oneDNN's fresh [T, D] result faulted its pages in, 6.1 → 12.1 ms at T = 8192.)"""
-    if a.device.type == "cpu" and a.dtype == torch.float32 and _small_gemm.sgemm_at_avx2_width():
-        if _small_gemm.onednn_linear_available():
+    → 3.66 / 3.15 → 1.59. Below _ONEDNN_MIN_MACS multiply-adds oneDNN's hand-off to its two
+    threads costs more than it saves (the router's forward+backward alone at T = 16: 0.16 →
+    0.21 ms, 0.25 → 0.29; at T = 256 level). (The input gradient g·W stays on torch.mm into
+    scratch memory: oneDNN's fresh [T, D] result faulted its pages in, 6.1 → 12.1 ms at T = 8192.)"""
+    if a.device.type == "cpu" and a.dtype == torch.float32 and a.shape[0] * b.numel() >= _ONEDNN_MIN_MACS:
+        if _small_gemm.sgemm_at_avx2_width() and _small_gemm.onednn_linear_available():
             return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
     return F.linear(a, b)
 

@@ -259,21 +259,25 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
-@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("route", ["sgemm", "onednn", "small"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, onednn):
+def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, route):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
     float32 rounding of the float64 product, with and without autograd; the widened copy of x
     is a temporary on scratch memory (`_memory.scratch`) either way (with autograd made again
     for the weight's gradient), and the gradients are within float32 rounding of float64's and
     bit for bit those of the float32 products on the widened tensors: F.linear's, or where MKL's
     sgemm runs at AVX2 width (forced on here) oneDNN's inner product for the logits and the
-    weight's gradient (the input's stays torch.mm)."""
+    weight's gradient (the input's stays torch.mm), unless they are small ("small": F.linear's,
+    these products are below router._ONEDNN_MIN_MACS; "onednn" forces them past it)."""
     from moe_ffn import router as router_module
 
+    onednn = route == "onednn"
     if onednn and not router_module._small_gemm.onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
-    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: onednn)
+    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route != "sgemm")
+    if onednn:
+        monkeypatch.setattr(router_module, "_ONEDNN_MIN_MACS", 0)
     calls = []
     real = router_module._memory.scratch
     monkeypatch.setattr(
