@@ -1389,6 +1389,63 @@ int scatter_add(const ScatterAdd& p, bool bf16, int threads, const Team& team) {
   return 0;
 }
 
+// The same sum token by token: out[t, :] = Σ src[i, :]·weight[i] over the rows i of token t in
+// ascending order (`slots`, from offsets[t] to offsets[t + 1]), starting from +0 as the
+// accumulator above does: the same additions in the same order, so the same bits, but each
+// token's row is written once, built in the cache, where the pass above read and wrote the
+// float32 row once per slot, wherever it was. Tokens without rows get zeros. The threads split
+// the tokens.
+struct SlotSum {
+  float* out;
+  int64_t ldo;
+  const int64_t* offsets;  // [tokens + 1]
+  const int64_t* slots;    // [rows]: the rows of token 0, then token 1, … each ascending
+  const void* src;
+  int64_t lds;
+  const float* weight;
+  int64_t cols;
+};
+
+template <bool BF16>
+void slot_sum_tokens(const SlotSum& p, int64_t t0, int64_t t1) {
+  const int64_t whole = p.cols / 8 * 8;
+  const int64_t src_bytes = BF16 ? 2 : 4;
+  for (int64_t t = t0; t < t1; ++t) {
+    float* dst = p.out + t * p.ldo;
+    const int64_t first = p.offsets[t], last = p.offsets[t + 1];
+    for (int64_t c = 0; c < whole; c += 8) _mm256_storeu_ps(dst + c, _mm256_setzero_ps());
+    for (int64_t c = whole; c < p.cols; ++c) dst[c] = 0.0f;
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t i = p.slots[j];
+      const void* row = static_cast<const char*>(p.src) + i * p.lds * src_bytes;
+      const float w = p.weight ? p.weight[i] : 1.0f;
+      const __m256 wv = _mm256_set1_ps(w);
+      for (int64_t c = 0; c < whole; c += 8) {
+        __m256 v = load_src8<BF16>(row, c);
+        if (p.weight) v = _mm256_mul_ps(v, wv);
+        __asm__("" : "+x"(v));  // (rounded on its own, as above)
+        _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_loadu_ps(dst + c), v));
+      }
+      for (int64_t c = whole; c < p.cols; ++c) {
+        float v = p.weight ? load_src1<BF16>(row, c) * w : load_src1<BF16>(row, c);
+        __asm__("" : "+x"(v));
+        dst[c] += v;
+      }
+    }
+  }
+}
+
+int slot_sum(const SlotSum& p, int64_t tokens, bool bf16, int threads, const Team& team) {
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, tokens * p.cols >> 15));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(tokens, 1, t, n, &first, &last);
+    if (bf16) slot_sum_tokens<true>(p, first, last);
+    else slot_sum_tokens<false>(p, first, last);
+  });
+  return 0;
+}
+
 }  // namespace
 
 // y = x·wᵀ (+ b) for x [rows, in_features], w [out_features, in_features], y [rows,
@@ -1754,4 +1811,29 @@ extern "C" int moe_ffn_scatter_add_rows(float* out, int64_t ldo, int64_t out_row
   if (rows == 0 || cols == 0) return 0;
   const ScatterAdd p{out, ldo, token, src, lds, weight, rows, cols};
   return scatter_add(p, src_bf16 != 0, threads, moe_ffn_team::make_team(parallel, thread_num, num_threads));
+}
+
+// The sum of moe_ffn_scatter_add_rows (same arguments) into all out_rows rows of out, each
+// written once (see SlotSum): rows of tokens without slots become zeros, so out needs no
+// zeroing. `index` is the caller's int64 workspace of out_rows + 1 + rows (the rows sorted by
+// token, a counting sort that keeps their order). Returns 0, or -1 before writing anything where
+// a token is outside [0, out_rows).
+extern "C" int moe_ffn_slot_sum_rows(float* out, int64_t ldo, int64_t out_rows, const int64_t* token,
+                                     const void* src, int src_bf16, int64_t lds, const float* weight, int64_t rows,
+                                     int64_t cols, int64_t* index, int threads, void* parallel, void* thread_num,
+                                     void* num_threads) {
+  if (rows < 0 || cols < 0 || out_rows < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < rows; ++i)
+    if (token[i] < 0 || token[i] >= out_rows) return -1;
+  int64_t* offsets = index;
+  int64_t* slots = index + out_rows + 1;
+  std::fill(offsets, offsets + out_rows + 1, int64_t{0});
+  for (int64_t i = 0; i < rows; ++i) ++offsets[token[i] + 1];
+  for (int64_t t = 0; t < out_rows; ++t) offsets[t + 1] += offsets[t];
+  for (int64_t i = 0; i < rows; ++i) slots[offsets[token[i]]++] = i;  // offsets[t] → end of t
+  for (int64_t t = out_rows; t > 0; --t) offsets[t] = offsets[t - 1];
+  offsets[0] = 0;
+  if (cols == 0) return 0;
+  const SlotSum p{out, ldo, offsets, slots, src, lds, weight, cols};
+  return slot_sum(p, out_rows, src_bf16 != 0, threads, moe_ffn_team::make_team(parallel, thread_num, num_threads));
 }

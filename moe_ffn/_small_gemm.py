@@ -229,7 +229,7 @@ def library() -> Optional[ctypes.CDLL]:
         product, product_bf16 = lib.moe_ffn_product_f32, lib.moe_ffn_product_bf16c
         product_bf16b = lib.moe_ffn_product_bf16b
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
-        scatter_add = lib.moe_ffn_scatter_add_rows
+        scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -251,7 +251,8 @@ def library() -> Optional[ctypes.CDLL]:
     product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
     product_bf16b.argtypes = product_bf16.argtypes
     scatter_add.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64] + team
-    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add):
+    slot_sum.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
+    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum):
         fn.restype = ctypes.c_int
     return lib
 
@@ -1064,6 +1065,28 @@ def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[T
     and out.index_add_ compute, in one pass). Returns whether it ran; False (out untouched)
     where it does not, a token out of range included (the caller's torch ops then run, and
     index_add_ raises for it)."""
+    return _slot_sums(out, token, src, weight, by_token=False)
+
+
+def slot_sums_fit(like: Tensor, src_dtype: torch.dtype, weight: Optional[Tensor] = None) -> bool:
+    """Whether `slot_sum_rows` runs for a float32 out and src of `src_dtype` on like's device,
+    with this weight (token ranges aside)."""
+    return (
+        like.device.type == "cpu" and src_dtype in (torch.float32, torch.bfloat16)
+        and (weight is None or (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()))
+        and not torch.compiler.is_compiling() and _kernel() is not None
+    )
+
+
+def slot_sum_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor] = None) -> bool:
+    """out[t] = Σ src[i]·weight[i] over the rows i with token[i] = t, in ascending i, for every
+    row t of out (zeros where no row has token t): the sums `scatter_add_rows` adds into a zeroed
+    out, bit for bit, with each of out's rows written once (built in the cache) instead of once
+    per row of src. Same arguments and return as `scatter_add_rows`; out need not be zeroed."""
+    return _slot_sums(out, token, src, weight, by_token=True)
+
+
+def _slot_sums(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor], by_token: bool) -> bool:
     if not (
         out.dtype == torch.float32 and src.dtype in (torch.float32, torch.bfloat16) and token.dtype == torch.int64
         and (weight is None or weight.dtype == torch.float32)
@@ -1074,7 +1097,7 @@ def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[T
     ):
         weight_shape = None if weight is None else tuple(weight.shape)
         raise ValueError(
-            f"scatter_add_rows: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and "
+            f"{'slot_sum_rows' if by_token else 'scatter_add_rows'}: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and "
             f"weight {weight_shape} do not fit (out [T, D], token [n], src [n, D], weight [n])"
         )
     vectors = (token,) if weight is None else (token, weight)
@@ -1084,12 +1107,14 @@ def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[T
     if kernel is None:
         return False
     lib, openmp = kernel
-    status = lib.moe_ffn_scatter_add_rows(
+    args = (
         out.data_ptr(), out.stride(0), out.shape[0], token.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
         src.stride(0), None if weight is None else weight.data_ptr(), src.shape[0], src.shape[1],
-        torch.get_num_threads(), *openmp,
     )
-    return status == 0
+    if not by_token:
+        return lib.moe_ffn_scatter_add_rows(*args, torch.get_num_threads(), *openmp) == 0
+    index = torch.empty(out.shape[0] + 1 + src.shape[0], dtype=torch.int64)  # (the kernel's workspace)
+    return lib.moe_ffn_slot_sum_rows(*args, index.data_ptr(), torch.get_num_threads(), *openmp) == 0
 
 
 def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> bool:

@@ -103,6 +103,45 @@ def test_routed_ffn_matches_per_token_loop(activation, gated, bias):
     assert (got[3][-2:] == 0).all()  # dropped rows: no output, no weight gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_sum_token_by_token_is_the_group_by_group_sum(monkeypatch, dtype):
+    """The routed forward's weighted sum over each token's slots, token by token once all slot
+    rows are made (`_small_gemm.slot_sum_rows`): bit for bit the sum added group by group (the
+    rows' kept size capped to nothing, or the kernel declined), which is within rounding of the
+    float64 loop over tokens and slots; dropped rows add nothing, a token without rows is 0."""
+    if not _small_gemm.slot_sums_fit(torch.ones(1), dtype, torch.ones(1)):
+        pytest.skip("moe_ffn's CPU kernel is not built here")
+    calls = []
+    for name in ("slot_sum_rows", "scatter_add_rows"):
+        real = getattr(_small_gemm, name)
+        monkeypatch.setattr(_small_gemm, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    torch.manual_seed(6)
+    T, D, F, E = 81, 40, 24, 4
+    expert_TK = torch.randint(0, E, (T - 1, 3)) // 2 * 2  # experts 0 and 2; token 80 has no rows
+    order = torch.argsort(expert_TK.reshape(-1), stable=True)
+    token = order // 3
+    counts = torch.bincount(expert_TK.reshape(-1), minlength=E)
+    counts[2] -= 5  # its last 5 rows dropped
+    x = torch.randn(T, D).to(dtype)
+    w1, w2 = (torch.randn(E, 2 * F, D) / 6).to(dtype), (torch.randn(E, D, F) / 4).to(dtype)
+    weight = torch.rand(token.numel())
+    with torch.no_grad():
+        out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+        assert calls == ["slot_sum_rows"]
+        monkeypatch.setattr(grouped, "_SLOT_ROWS_MAX_BYTES", 0)
+        grouped_sum = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+        assert calls[1:] == ["scatter_add_rows"] * len(calls[1:]) and len(calls) > 1
+    assert torch.equal(out, grouped_sum) and torch.equal(out[80], torch.zeros(D, dtype=dtype))
+    x64, w1_64, w2_64 = x.double(), w1.double(), w2.double()
+    ref = torch.zeros(T, D, **f64)
+    expert_of_row = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
+    for n, e in enumerate(expert_of_row):
+        h = w1_64[e] @ x64[int(token[n])]
+        ref[int(token[n])] += float(weight[n]) * (w2_64[e] @ (act("silu", h[:F]) * h[F:]))
+    tol = (1e-5 if dtype == torch.float32 else 3e-2) * float(ref.abs().max())
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+
+
 def test_routed_ffn_only_some_gradients():
     """A frozen router (weights without grad) and frozen experts still give the others."""
     T, D, F, E = 4, 3, 2, 2

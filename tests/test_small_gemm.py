@@ -1636,6 +1636,58 @@ def test_scatter_add_rows_adds_each_row_in_order(src_dtype, weighted, cols):
     assert torch.equal(single, want)
 
 
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("cols", [5, 64, 1030])
+def test_slot_sum_rows_writes_each_tokens_sum_in_row_order(src_dtype, weighted, cols):
+    """out[t] = the sum of token t's rows src[i]·weight[i] in ascending i, written over whatever
+    out held: bit for bit the row-by-row float32 reference on a zeroed out (the order of the
+    additions shows: a row of 1e8 first), tokens without rows zeros (-0 products included:
+    +0, as 0 + -0 is), columns in whole 8s and a tail, src rows strided, out a slice of a wider
+    tensor whose margins stay untouched; one thread gives the same."""
+    _needs_kernel()
+    torch.manual_seed(4)
+    T, n = 37, 300
+    token = torch.randint(0, T - 3, (n,))  # tokens 34–36 get no rows
+    token[:4] = torch.tensor([5, 5, 5, 33])
+    src = torch.randn(n, cols + 3).to(src_dtype)[:, 1 : cols + 1]
+    src[0] *= 1e8
+    src[3] = -0.0  # token 33's first row: its sum starts at +0 (0 + -0), as the zeroed reference's
+    weight = torch.rand(n) if weighted else None
+    wide = torch.full((T, cols + 4), float("nan"))
+    out = wide[:, 2 : cols + 2]
+    out.copy_(torch.randn(T, cols))  # overwritten, not added to
+    want = _scatter_add_reference(torch.zeros(T, cols), token, src, weight)
+    assert _small_gemm.slot_sum_rows(out, token, src, weight)
+    assert torch.equal(out, want) and torch.equal(out[34:], torch.zeros(3, cols))
+    assert torch.equal(torch.signbit(out), torch.signbit(want))  # (torch.equal takes -0 for +0)
+    assert wide[:, :2].isnan().all() and wide[:, cols + 2 :].isnan().all()
+    single = torch.randn(T, cols)
+    assert _on_one_thread(lambda: _small_gemm.slot_sum_rows(single, token, src, weight))
+    assert torch.equal(single, want)
+    scattered = torch.zeros(T, cols)
+    assert _small_gemm.scatter_add_rows(scattered, token, src, weight)
+    assert torch.equal(torch.signbit(out), torch.signbit(scattered)) and torch.equal(out, scattered)
+
+
+def test_slot_sum_rows_declines_and_names_misfits():
+    """As scatter_add_rows: a token out of range gives False with out untouched; other dtypes
+    or a strided token give False; shapes that do not fit, an error naming them."""
+    _needs_kernel()
+    out = torch.full((4, 16), 7.0)
+    src = torch.ones(3, 16)
+    for bad in ([0, 1, 4], [0, -1, 2]):
+        assert not _small_gemm.slot_sum_rows(out, torch.tensor(bad), src)
+        assert bool((out == 7).all())
+    token = torch.tensor([0, 1, 2])
+    assert not _small_gemm.slot_sum_rows(out.bfloat16(), token, src)
+    assert not _small_gemm.slot_sum_rows(out, token.int(), src)
+    assert not _small_gemm.slot_sum_rows(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
+    assert bool((out == 7).all())
+    with pytest.raises(ValueError, match=r"slot_sum_rows: .*do not fit.*out \[T, D\]"):
+        _small_gemm.slot_sum_rows(out, token, torch.ones(3, 15))
+
+
 def test_scatter_add_rows_declines_and_names_misfits():
     """A token out of range: False and out untouched (the caller's index_add_ then raises); other
     dtypes or a strided token: False; shapes that do not fit: an error naming them."""
