@@ -1006,9 +1006,12 @@ def _accumulator(
 # memory), kept up to this size; past it the groups' bounded rows are summed as before. The
 # 2-core EPYC of family 26, A/B in one process (5–7 rounds), bf16 forward fine T = 256 / 2048 /
 # 8192 1.018 / 1.054 / 1.065×, Mixtral 1.007 / 1.025 / 1.004×; float32 fine T = 2048 / 8192
-# 1.018 / 1.027×, Mixtral 1.003 / 1.019×; bf16 forward+backward fine 1.025 / 1.025×. Working
-# memory of forward+backward at T=2048 (the benchmark's measure): fine bf16 63 → 76 MiB, fp32
-# 93 → 143 MiB; Mixtral's unchanged (its [N, D] is smaller than the temporaries at the peak).
+# 1.018 / 1.027×, Mixtral 1.003 / 1.019×. The backward sums x's gradient the same way (its
+# slots' rows in x's dtype): with it, against neither, bf16 forward+backward fine T = 2048 / 8192
+# 1.030 / 1.048×, Mixtral 1.005 / 1.017×, float32 at T = 2048 1.013 / 1.010×; the backward's
+# alone fine T = 256 / 2048 / 8192 1.029 / 1.039 / 1.097×. Working memory of forward+backward at
+# T=2048 (the benchmark's measure), before → forward's → both: fine bf16 63 → 76 → 92 MiB (the
+# dense block's 100), fp32 93 → 143 → 152; Mixtral bf16 100 → 107, fp32 168 → 182.
 _SLOT_ROWS_MAX_BYTES = 1 << 28
 
 
@@ -1155,10 +1158,16 @@ def _ffn_backward(
     blocks = _row_blocks(counts_E, N)
     used = _rows_used(blocks)
     routed = token_N is not None
+    # x's gradient summed over each token's slots token by token, as the forward sums (see
+    # _SLOT_ROWS_MAX_BYTES), where the slots' rows come out in x's dtype
+    by_token = (
+        routed and need_x and cdt == dtype and used * D * x.element_size() <= _SLOT_ROWS_MAX_BYTES
+        and _small_gemm.slot_sums_fit(x, dtype)
+    )
     if not need_x:
         grad_x = x.new_empty(0, D)
     elif routed:  # accumulated over each token's slots, in float32 at least
-        grad_x = _accumulator(x, x.shape[0], D, dtype, torch.promote_types(dtype, torch.float32))
+        grad_x = _accumulator(x, x.shape[0], D, dtype, torch.promote_types(dtype, torch.float32), zeroed=not by_token)
     else:
         grad_x = _memory.empty(x, N, D)
         grad_x[used:].zero_()
@@ -1178,6 +1187,7 @@ def _ffn_backward(
     grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
     grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
     written = set()  # experts whose weight gradient holds a first piece (see _groups)
+    dx_ND = _memory.scratch(x, used, D) if by_token else None
     for group in _groups(blocks, H, split=cdt == dtype):
         first, last = group[0][1], group[-1][2]
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)
@@ -1220,7 +1230,7 @@ def _ffn_backward(
                     grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if add else 0)
         del a_gF, g_gD
         x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
-        dx_gD = _memory.scratch(dh_gH, last - first, D) if (need_x and routed) else None
+        dx_gD = (dx_ND[first:last] if by_token else _memory.scratch(dh_gH, last - first, D)) if (need_x and routed) else None
         dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
         w_done = _weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again) if need_w and not with_bias else none
         x_done = _input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within) if need_x else none
@@ -1234,13 +1244,16 @@ def _ffn_backward(
             if need_x and not x_done_e:
                 _linear(dh_nH, w1_EHD[e].t(), out=dx_gD_[rows])
         written = seen
-        if dx_gD is not None:
+        if dx_gD is not None and not by_token:
             dx_gD = _round(dx_gD, dtype)
             if not _small_gemm.scatter_add_rows(grad_x, token_N[first:last], dx_gD):
                 if dx_gD.dtype != grad_x.dtype:
                     dx_gD = _memory.scratch(grad_x, last - first, D).copy_(dx_gD)
                 grad_x.index_add_(0, token_N[first:last], dx_gD)
         del x_gD, dx_gD, dh_gH
+    if by_token and not _small_gemm.slot_sum_rows(grad_x, token_N[:used], dx_ND):
+        grad_x.zero_()  # (a token out of range: index_add_ raises for it)
+        grad_x.index_add_(0, token_N[:used], dx_ND.to(grad_x.dtype))
     if routed and need_x:
         grad_x = grad_x.to(dtype)
     return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N

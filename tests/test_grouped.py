@@ -104,11 +104,12 @@ def test_routed_ffn_matches_per_token_loop(activation, gated, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routed_sum_token_by_token_is_the_group_by_group_sum(monkeypatch, dtype):
-    """The routed forward's weighted sum over each token's slots, token by token once all slot
-    rows are made (`_small_gemm.slot_sum_rows`): bit for bit the sum added group by group (the
-    rows' kept size capped to nothing, or the kernel declined), which is within rounding of the
-    float64 loop over tokens and slots; dropped rows add nothing, a token without rows is 0."""
+def test_routed_sums_token_by_token_are_the_group_by_group_sums(monkeypatch, dtype):
+    """The routed forward's weighted sum over each token's slots and the backward's sum of x's
+    gradient over them, token by token once all slot rows are made (`_small_gemm.slot_sum_rows`):
+    bit for bit the sums added group by group (the rows' kept size capped to nothing), which are
+    within rounding of the float64 loop over tokens and slots; dropped rows add nothing, a
+    token without rows gets 0 and a zero gradient."""
     if not _small_gemm.slot_sums_fit(torch.ones(1), dtype, torch.ones(1)):
         pytest.skip("moe_ffn's CPU kernel is not built here")
     calls = []
@@ -125,21 +126,36 @@ def test_routed_sum_token_by_token_is_the_group_by_group_sum(monkeypatch, dtype)
     x = torch.randn(T, D).to(dtype)
     w1, w2 = (torch.randn(E, 2 * F, D) / 6).to(dtype), (torch.randn(E, D, F) / 4).to(dtype)
     weight = torch.rand(token.numel())
-    with torch.no_grad():
-        out = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
-        assert calls == ["slot_sum_rows"]
-        monkeypatch.setattr(grouped, "_SLOT_ROWS_MAX_BYTES", 0)
-        grouped_sum = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
-        assert calls[1:] == ["scatter_add_rows"] * len(calls[1:]) and len(calls) > 1
-    assert torch.equal(out, grouped_sum) and torch.equal(out[80], torch.zeros(D, dtype=dtype))
-    x64, w1_64, w2_64 = x.double(), w1.double(), w2.double()
-    ref = torch.zeros(T, D, **f64)
+    g = torch.randn(T, D).to(dtype)
+
+    def run():
+        x_ = x.clone().requires_grad_()
+        out = routed_ffn(x_, w1, w2, counts, token, weight, activation="silu", gated=True)
+        out.backward(g)
+        return out.detach(), x_.grad
+
+    out, grad = run()
+    assert calls == ["slot_sum_rows"] * 2
+    monkeypatch.setattr(grouped, "_SLOT_ROWS_MAX_BYTES", 0)
+    calls.clear()
+    grouped_out, grouped_grad = run()
+    assert set(calls) == {"scatter_add_rows"}
+    assert torch.equal(out, grouped_out) and torch.equal(grad, grouped_grad)
+    assert torch.equal(out[80], torch.zeros(D, dtype=dtype)) and torch.equal(grad[80], torch.zeros(D, dtype=dtype))
+    x64 = x.double().requires_grad_()
+    w1_64, w2_64 = w1.double(), w2.double()
+    rows = [x64.new_zeros(D) for _ in range(T)]
     expert_of_row = [e for e, c in enumerate(counts.tolist()) for _ in range(c)]
     for n, e in enumerate(expert_of_row):
-        h = w1_64[e] @ x64[int(token[n])]
-        ref[int(token[n])] += float(weight[n]) * (w2_64[e] @ (act("silu", h[:F]) * h[F:]))
-    tol = (1e-5 if dtype == torch.float32 else 3e-2) * float(ref.abs().max())
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+        t = int(token[n])
+        h = w1_64[e] @ x64[t]
+        rows[t] = rows[t] + float(weight[n]) * (w2_64[e] @ (act("silu", h[:F]) * h[F:]))
+    ref = torch.stack(rows)
+    (ref_grad,) = torch.autograd.grad(ref, x64, g.double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    ref = ref.detach()
+    torch.testing.assert_close(out.double(), ref, atol=tol * float(ref.abs().max()), rtol=0)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=tol * float(ref_grad.abs().max()), rtol=0)
 
 
 def test_routed_ffn_only_some_gradients():
