@@ -1393,10 +1393,11 @@ int scatter_add(const ScatterAdd& p, bool bf16, int threads, const Team& team) {
 // ascending order (`slots`, from offsets[t] to offsets[t + 1]), starting from +0 as the
 // accumulator above does: the same additions in the same order, so the same bits, but each
 // token's row is written once, built in the cache, where the pass above read and wrote the
-// float32 row once per slot, wherever it was. Tokens without rows get zeros. The threads split
-// the tokens.
+// float32 row once per slot, wherever it was. Tokens without rows get zeros. A bf16 out gets
+// each float32 sum rounded once (round_to_bf16: torch's rounding of the float32 sum). The
+// threads split the tokens.
 struct SlotSum {
-  float* out;
+  void* out;  // float32, or bf16
   int64_t ldo;
   const int64_t* offsets;  // [tokens + 1]
   const int64_t* slots;    // [rows]: the rows of token 0, then token 1, … each ascending
@@ -1406,12 +1407,13 @@ struct SlotSum {
   int64_t cols;
 };
 
-template <bool BF16>
+template <bool BF16, bool OUT_BF16>
 void slot_sum_tokens(const SlotSum& p, int64_t t0, int64_t t1) {
   const int64_t whole = p.cols / 8 * 8;
   const int64_t src_bytes = BF16 ? 2 : 4;
+  std::vector<float> sum_row(OUT_BF16 ? p.cols : 0);  // (a bf16 out's float32 sums)
   for (int64_t t = t0; t < t1; ++t) {
-    float* dst = p.out + t * p.ldo;
+    float* dst = OUT_BF16 ? sum_row.data() : static_cast<float*>(p.out) + t * p.ldo;
     const int64_t first = p.offsets[t], last = p.offsets[t + 1];
     for (int64_t c = 0; c < whole; c += 8) _mm256_storeu_ps(dst + c, _mm256_setzero_ps());
     for (int64_t c = whole; c < p.cols; ++c) dst[c] = 0.0f;
@@ -1432,16 +1434,24 @@ void slot_sum_tokens(const SlotSum& p, int64_t t0, int64_t t1) {
         dst[c] += v;
       }
     }
+    if (OUT_BF16) {
+      uint16_t* out_row = static_cast<uint16_t*>(p.out) + t * p.ldo;
+      for (int64_t c = 0; c < whole; c += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out_row + c), round8_to_bf16(_mm256_loadu_ps(dst + c)));
+      for (int64_t c = whole; c < p.cols; ++c) out_row[c] = round_to_bf16(dst[c]);
+    }
   }
 }
 
-int slot_sum(const SlotSum& p, int64_t tokens, bool bf16, int threads, const Team& team) {
+int slot_sum(const SlotSum& p, int64_t tokens, bool bf16, bool out_bf16, int threads, const Team& team) {
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, tokens * p.cols >> 15));
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(tokens, 1, t, n, &first, &last);
-    if (bf16) slot_sum_tokens<true>(p, first, last);
-    else slot_sum_tokens<false>(p, first, last);
+    if (bf16 && out_bf16) slot_sum_tokens<true, true>(p, first, last);
+    else if (bf16) slot_sum_tokens<true, false>(p, first, last);
+    else if (out_bf16) slot_sum_tokens<false, true>(p, first, last);
+    else slot_sum_tokens<false, false>(p, first, last);
   });
   return 0;
 }
@@ -1813,12 +1823,12 @@ extern "C" int moe_ffn_scatter_add_rows(float* out, int64_t ldo, int64_t out_row
   return scatter_add(p, src_bf16 != 0, threads, moe_ffn_team::make_team(parallel, thread_num, num_threads));
 }
 
-// The sum of moe_ffn_scatter_add_rows (same arguments) into all out_rows rows of out, each
-// written once (see SlotSum): rows of tokens without slots become zeros, so out needs no
-// zeroing. `index` is the caller's int64 workspace of out_rows + 1 + rows (the rows sorted by
-// token, a counting sort that keeps their order). Returns 0, or -1 before writing anything where
-// a token is outside [0, out_rows).
-extern "C" int moe_ffn_slot_sum_rows(float* out, int64_t ldo, int64_t out_rows, const int64_t* token,
+// The sum of moe_ffn_scatter_add_rows (same arguments; out float32, or bf16 where out_bf16)
+// into all out_rows rows of out, each written once (see SlotSum): rows of tokens without slots
+// become zeros, so out needs no zeroing. `index` is the caller's int64 workspace of out_rows + 1
+// + rows (the rows sorted by token, a counting sort that keeps their order). Returns 0, or -1
+// before writing anything where a token is outside [0, out_rows).
+extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64_t out_rows, const int64_t* token,
                                      const void* src, int src_bf16, int64_t lds, const float* weight, int64_t rows,
                                      int64_t cols, int64_t* index, int threads, void* parallel, void* thread_num,
                                      void* num_threads) {
@@ -1835,5 +1845,6 @@ extern "C" int moe_ffn_slot_sum_rows(float* out, int64_t ldo, int64_t out_rows, 
   offsets[0] = 0;
   if (cols == 0) return 0;
   const SlotSum p{out, ldo, offsets, slots, src, lds, weight, cols};
-  return slot_sum(p, out_rows, src_bf16 != 0, threads, moe_ffn_team::make_team(parallel, thread_num, num_threads));
+  return slot_sum(p, out_rows, src_bf16 != 0, out_bf16 != 0, threads,
+                  moe_ffn_team::make_team(parallel, thread_num, num_threads));
 }

@@ -251,7 +251,7 @@ def library() -> Optional[ctypes.CDLL]:
     product_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64] + team
     product_bf16b.argtypes = product_bf16.argtypes
     scatter_add.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64] + team
-    slot_sum.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
+    slot_sum.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
     for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum):
         fn.restype = ctypes.c_int
     return lib
@@ -1082,13 +1082,15 @@ def slot_sum_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tens
     """out[t] = Σ src[i]·weight[i] over the rows i with token[i] = t, in ascending i, for every
     row t of out (zeros where no row has token t): the sums `scatter_add_rows` adds into a zeroed
     out, bit for bit, with each of out's rows written once (built in the cache) instead of once
-    per row of src. Same arguments and return as `scatter_add_rows`; out need not be zeroed."""
+    per row of src. Same arguments and return as `scatter_add_rows`, but out may be bf16 too (each
+    float32 sum rounded once, as .to(torch.bfloat16) rounds it) and need not be zeroed."""
     return _slot_sums(out, token, src, weight, by_token=True)
 
 
 def _slot_sums(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor], by_token: bool) -> bool:
+    out_dtypes = (torch.float32, torch.bfloat16) if by_token else (torch.float32,)
     if not (
-        out.dtype == torch.float32 and src.dtype in (torch.float32, torch.bfloat16) and token.dtype == torch.int64
+        out.dtype in out_dtypes and src.dtype in (torch.float32, torch.bfloat16) and token.dtype == torch.int64
         and (weight is None or weight.dtype == torch.float32)
     ):
         return False
@@ -1108,13 +1110,14 @@ def _slot_sums(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor]
         return False
     lib, openmp = kernel
     args = (
-        out.data_ptr(), out.stride(0), out.shape[0], token.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
+        out.stride(0), out.shape[0], token.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
         src.stride(0), None if weight is None else weight.data_ptr(), src.shape[0], src.shape[1],
     )
     if not by_token:
-        return lib.moe_ffn_scatter_add_rows(*args, torch.get_num_threads(), *openmp) == 0
+        return lib.moe_ffn_scatter_add_rows(out.data_ptr(), *args, torch.get_num_threads(), *openmp) == 0
     index = torch.empty(out.shape[0] + 1 + src.shape[0], dtype=torch.int64)  # (the kernel's workspace)
-    return lib.moe_ffn_slot_sum_rows(*args, index.data_ptr(), torch.get_num_threads(), *openmp) == 0
+    out_bf16 = int(out.dtype == torch.bfloat16)
+    return lib.moe_ffn_slot_sum_rows(out.data_ptr(), out_bf16, *args, index.data_ptr(), torch.get_num_threads(), *openmp) == 0
 
 
 def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> bool:

@@ -1020,8 +1020,9 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
 
     token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
     token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
-    are gathered, computed, scaled by weight_N and added into an accumulator in weight_N's
-    dtype; returns (out_TD in weight_N's dtype, h_NH). Row copies live for one group only.
+    are gathered and computed, and each token's rows scaled by weight_N and summed in weight_N's
+    dtype (token by token at the end, or group by group: see _SLOT_ROWS_MAX_BYTES); returns
+    (out_TD in weight_N's dtype, h_NH). The gathered rows live for one group only.
     keep_h False (inference, nothing to save for backward): the first projection goes into one
     buffer of a group's rows, reused group after group, and h_NH comes back empty. Writing
     a fresh [N, H] instead cost the forward its page faults: fine-grained fp32 at T = 8192 has
@@ -1048,7 +1049,7 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     # _SLOT_ROWS_MAX_BYTES), or added group by group into a zeroed sum (torch's ops, or the
     # kernel's `scatter_add_rows`, where the slots' rows are not kept).
     by_token = (
-        token_N is not None and weight_N.dtype == torch.float32 and used * D * x.element_size() <= _SLOT_ROWS_MAX_BYTES
+        token_N is not None and used * D * x.element_size() <= _SLOT_ROWS_MAX_BYTES
         and _small_gemm.slot_sums_fit(x, x.dtype, weight_N)
     )
     if token_N is None:
@@ -1166,8 +1167,10 @@ def _ffn_backward(
     )
     if not need_x:
         grad_x = x.new_empty(0, D)
+    elif by_token:  # each token's float32 sum rounded once into the result (the kernel)
+        grad_x = _memory.empty(x, x.shape[0], D)
     elif routed:  # accumulated over each token's slots, in float32 at least
-        grad_x = _accumulator(x, x.shape[0], D, dtype, torch.promote_types(dtype, torch.float32), zeroed=not by_token)
+        grad_x = _accumulator(x, x.shape[0], D, dtype, torch.promote_types(dtype, torch.float32))
     else:
         grad_x = _memory.empty(x, N, D)
         grad_x[used:].zero_()
@@ -1252,8 +1255,8 @@ def _ffn_backward(
                 grad_x.index_add_(0, token_N[first:last], dx_gD)
         del x_gD, dx_gD, dh_gH
     if by_token and not _small_gemm.slot_sum_rows(grad_x, token_N[:used], dx_ND):
-        grad_x.zero_()  # (a token out of range: index_add_ raises for it)
-        grad_x.index_add_(0, token_N[:used], dx_ND.to(grad_x.dtype))
+        grad_x = grad_x.new_zeros(grad_x.shape, dtype=torch.promote_types(dtype, torch.float32))
+        grad_x.index_add_(0, token_N[:used], dx_ND.to(grad_x.dtype))  # (a token out of range: it raises)
     if routed and need_x:
         grad_x = grad_x.to(dtype)
     return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N

@@ -1644,7 +1644,8 @@ def test_slot_sum_rows_writes_each_tokens_sum_in_row_order(src_dtype, weighted, 
     out held: bit for bit the row-by-row float32 reference on a zeroed out (the order of the
     additions shows: a row of 1e8 first), tokens without rows zeros (-0 products included:
     +0, as 0 + -0 is), columns in whole 8s and a tail, src rows strided, out a slice of a wider
-    tensor whose margins stay untouched; one thread gives the same."""
+    tensor whose margins stay untouched; one thread gives the same; a bf16 out gets the sums
+    rounded as .bfloat16() rounds them (a NaN row's sums NaN)."""
     _needs_kernel()
     torch.manual_seed(4)
     T, n = 37, 300
@@ -1668,6 +1669,15 @@ def test_slot_sum_rows_writes_each_tokens_sum_in_row_order(src_dtype, weighted, 
     scattered = torch.zeros(T, cols)
     assert _small_gemm.scatter_add_rows(scattered, token, src, weight)
     assert torch.equal(torch.signbit(out), torch.signbit(scattered)) and torch.equal(out, scattered)
+    wide16 = torch.full((T, cols + 4), float("nan"), dtype=torch.bfloat16)
+    out16 = wide16[:, 2 : cols + 2]  # a bf16 out: each float32 sum rounded once, as torch rounds it
+    src[5] = float("nan")
+    want = _scatter_add_reference(torch.zeros(T, cols), token, src, weight).bfloat16()
+    assert _small_gemm.slot_sum_rows(out16, token, src, weight)
+    nan = want.isnan()  # (NaN bits differ between torch's own roundings: 0xFFFF vectorised)
+    assert torch.equal(out16.isnan(), nan) and nan.any()
+    assert torch.equal(out16.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert wide16[:, :2].isnan().all() and wide16[:, cols + 2 :].isnan().all()
 
 
 def test_slot_sum_rows_declines_and_names_misfits():
@@ -1680,7 +1690,7 @@ def test_slot_sum_rows_declines_and_names_misfits():
         assert not _small_gemm.slot_sum_rows(out, torch.tensor(bad), src)
         assert bool((out == 7).all())
     token = torch.tensor([0, 1, 2])
-    assert not _small_gemm.slot_sum_rows(out.bfloat16(), token, src)
+    assert not _small_gemm.slot_sum_rows(out.half(), token, src)
     assert not _small_gemm.slot_sum_rows(out, token.int(), src)
     assert not _small_gemm.slot_sum_rows(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
     assert bool((out == 7).all())
