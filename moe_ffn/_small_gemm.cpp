@@ -1407,38 +1407,69 @@ struct SlotSum {
   int64_t cols;
 };
 
+// Each token's rows are read side by side, 32 columns (64 or 128 bytes) of every row at a time:
+// as many streams for the prefetchers as the token has rows, where reading them one after the
+// other waited on each row's first lines; the next token's first lines are prefetched. The
+// additions per element keep the rows' order. The 2-core EPYC of family 26, bf16 rows of 1024
+// summed alone (medians of 7): 65536 rows into 8192 tokens 11.06 → 5.22 ms, 16384 into 2048
+// 2.08 → 0.90; in the fine-grained layer's forward+backward at T=8192 (two calls, the rows cold)
+// 47.2 → 12.6 ms a step.
+template <bool BF16>
+inline const char* slot_row(const SlotSum& p, int64_t j) {
+  return static_cast<const char*>(p.src) + p.slots[j] * p.lds * (BF16 ? 2 : 4);
+}
+
 template <bool BF16, bool OUT_BF16>
 void slot_sum_tokens(const SlotSum& p, int64_t t0, int64_t t1) {
-  const int64_t whole = p.cols / 8 * 8;
-  const int64_t src_bytes = BF16 ? 2 : 4;
-  std::vector<float> sum_row(OUT_BF16 ? p.cols : 0);  // (a bf16 out's float32 sums)
+  constexpr int64_t kChunk = 32;
+  const int64_t chunks = p.cols / kChunk * kChunk, whole = p.cols / 8 * 8;
   for (int64_t t = t0; t < t1; ++t) {
-    float* dst = OUT_BF16 ? sum_row.data() : static_cast<float*>(p.out) + t * p.ldo;
     const int64_t first = p.offsets[t], last = p.offsets[t + 1];
-    for (int64_t c = 0; c < whole; c += 8) _mm256_storeu_ps(dst + c, _mm256_setzero_ps());
-    for (int64_t c = whole; c < p.cols; ++c) dst[c] = 0.0f;
-    for (int64_t j = first; j < last; ++j) {
-      const int64_t i = p.slots[j];
-      const void* row = static_cast<const char*>(p.src) + i * p.lds * src_bytes;
-      const float w = p.weight ? p.weight[i] : 1.0f;
-      const __m256 wv = _mm256_set1_ps(w);
-      for (int64_t c = 0; c < whole; c += 8) {
-        __m256 v = load_src8<BF16>(row, c);
-        if (p.weight) v = _mm256_mul_ps(v, wv);
-        __asm__("" : "+x"(v));  // (rounded on its own, as above)
-        _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_loadu_ps(dst + c), v));
+    if (t + 1 < t1)
+      for (int64_t j = last; j < p.offsets[t + 2]; ++j) _mm_prefetch(slot_row<BF16>(p, j), _MM_HINT_T0);
+    float* dst32 = OUT_BF16 ? nullptr : static_cast<float*>(p.out) + t * p.ldo;
+    uint16_t* dst16 = OUT_BF16 ? static_cast<uint16_t*>(p.out) + t * p.ldo : nullptr;
+    auto store8 = [&](int64_t c, __m256 v) {
+      if (OUT_BF16) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst16 + c), round8_to_bf16(v));
+      else _mm256_storeu_ps(dst32 + c, v);
+    };
+    for (int64_t c = 0; c < chunks; c += kChunk) {
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+      for (int64_t j = first; j < last; ++j) {
+        const char* row = slot_row<BF16>(p, j);
+        const __m256 wv = _mm256_set1_ps(p.weight ? p.weight[p.slots[j]] : 1.0f);
+        __m256 v0 = load_src8<BF16>(row, c), v1 = load_src8<BF16>(row, c + 8);
+        __m256 v2 = load_src8<BF16>(row, c + 16), v3 = load_src8<BF16>(row, c + 24);
+        if (p.weight) {
+          v0 = _mm256_mul_ps(v0, wv), v1 = _mm256_mul_ps(v1, wv);
+          v2 = _mm256_mul_ps(v2, wv), v3 = _mm256_mul_ps(v3, wv);
+        }
+        __asm__("" : "+x"(v0), "+x"(v1), "+x"(v2), "+x"(v3));  // (each product rounded on its own, as above)
+        acc0 = _mm256_add_ps(acc0, v0), acc1 = _mm256_add_ps(acc1, v1);
+        acc2 = _mm256_add_ps(acc2, v2), acc3 = _mm256_add_ps(acc3, v3);
       }
-      for (int64_t c = whole; c < p.cols; ++c) {
-        float v = p.weight ? load_src1<BF16>(row, c) * w : load_src1<BF16>(row, c);
-        __asm__("" : "+x"(v));
-        dst[c] += v;
-      }
+      store8(c, acc0), store8(c + 8, acc1), store8(c + 16, acc2), store8(c + 24, acc3);
     }
-    if (OUT_BF16) {
-      uint16_t* out_row = static_cast<uint16_t*>(p.out) + t * p.ldo;
-      for (int64_t c = 0; c < whole; c += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out_row + c), round8_to_bf16(_mm256_loadu_ps(dst + c)));
-      for (int64_t c = whole; c < p.cols; ++c) out_row[c] = round_to_bf16(dst[c]);
+    for (int64_t c = chunks; c < whole; c += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = first; j < last; ++j) {
+        __m256 v = load_src8<BF16>(slot_row<BF16>(p, j), c);
+        if (p.weight) v = _mm256_mul_ps(v, _mm256_set1_ps(p.weight[p.slots[j]]));
+        __asm__("" : "+x"(v));
+        acc = _mm256_add_ps(acc, v);
+      }
+      store8(c, acc);
+    }
+    for (int64_t c = whole; c < p.cols; ++c) {
+      float acc = 0.0f;
+      for (int64_t j = first; j < last; ++j) {
+        const float x = load_src1<BF16>(slot_row<BF16>(p, j), c);
+        float v = p.weight ? x * p.weight[p.slots[j]] : x;
+        __asm__("" : "+x"(v));
+        acc += v;
+      }
+      if (OUT_BF16) dst16[c] = round_to_bf16(acc);
+      else dst32[c] = acc;
     }
   }
 }
