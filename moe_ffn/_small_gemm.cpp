@@ -1394,8 +1394,8 @@ int scatter_add(const ScatterAdd& p, bool bf16, int threads, const Team& team) {
 // accumulator above does: the same additions in the same order, so the same bits, but each
 // token's row is written once, built in the cache, where the pass above read and wrote the
 // float32 row once per slot, wherever it was. Tokens without rows get zeros. A bf16 out gets
-// each float32 sum rounded once (round_to_bf16: torch's rounding of the float32 sum). The
-// threads split the tokens.
+// each float32 sum rounded once (round_to_bf16: torch's rounding, NaN aside: 0x7FC0 here, and
+// from torch's vectorised rounding 0xFFFF). The threads split the tokens.
 struct SlotSum {
   void* out;  // float32, or bf16
   int64_t ldo;

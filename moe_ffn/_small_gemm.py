@@ -1069,11 +1069,13 @@ def scatter_add_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[T
 
 
 def slot_sums_fit(like: Tensor, src_dtype: torch.dtype, weight: Optional[Tensor] = None) -> bool:
-    """Whether `slot_sum_rows` runs for a float32 out and src of `src_dtype` on like's device,
-    with this weight (token ranges aside)."""
+    """Whether `slot_sum_rows` runs for src of `src_dtype` on like's device with this weight
+    (a float32 or bf16 out; token ranges aside)."""
+    weight_fits = weight is None or (
+        weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+    )
     return (
-        like.device.type == "cpu" and src_dtype in (torch.float32, torch.bfloat16)
-        and (weight is None or (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()))
+        like.device.type == "cpu" and src_dtype in (torch.float32, torch.bfloat16) and weight_fits
         and not torch.compiler.is_compiling() and _kernel() is not None
     )
 
@@ -1098,8 +1100,9 @@ def _slot_sums(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor]
         weight is not None and weight.shape != (src.shape[0],)
     ):
         weight_shape = None if weight is None else tuple(weight.shape)
+        name = "slot_sum_rows" if by_token else "scatter_add_rows"
         raise ValueError(
-            f"{'slot_sum_rows' if by_token else 'scatter_add_rows'}: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and "
+            f"{name}: out {tuple(out.shape)}, token {tuple(token.shape)}, src {tuple(src.shape)} and "
             f"weight {weight_shape} do not fit (out [T, D], token [n], src [n, D], weight [n])"
         )
     vectors = (token,) if weight is None else (token, weight)
@@ -1117,7 +1120,8 @@ def _slot_sums(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor]
         return lib.moe_ffn_scatter_add_rows(out.data_ptr(), *args, torch.get_num_threads(), *openmp) == 0
     index = torch.empty(out.shape[0] + 1 + src.shape[0], dtype=torch.int64)  # (the kernel's workspace)
     out_bf16 = int(out.dtype == torch.bfloat16)
-    return lib.moe_ffn_slot_sum_rows(out.data_ptr(), out_bf16, *args, index.data_ptr(), torch.get_num_threads(), *openmp) == 0
+    status = lib.moe_ffn_slot_sum_rows(out.data_ptr(), out_bf16, *args, index.data_ptr(), torch.get_num_threads(), *openmp)
+    return status == 0
 
 
 def swiglu_backward_fits(h: Tensor, da: Tensor, weight: Optional[Tensor]) -> bool:

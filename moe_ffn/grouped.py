@@ -1233,7 +1233,9 @@ def _ffn_backward(
                     grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if add else 0)
         del a_gF, g_gD
         x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
-        dx_gD = (dx_ND[first:last] if by_token else _memory.scratch(dh_gH, last - first, D)) if (need_x and routed) else None
+        dx_gD = None
+        if need_x and routed:  # this group's rows of dx: kept for the token-by-token sum, or its own
+            dx_gD = dx_ND[first:last] if by_token else _memory.scratch(dh_gH, last - first, D)
         dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
         w_done = _weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again) if need_w and not with_bias else none
         x_done = _input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within) if need_x else none

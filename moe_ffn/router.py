@@ -70,10 +70,11 @@ def _widened_linear(x_TD: Tensor, w_ED: Tensor, dtype: torch.dtype) -> Tensor:
 
 class _WidenedLogits(torch.autograd.Function):
     """x·Wᵀ of low-precision x in the router's dtype (float32), with the gradients that
-    F.linear(x.to(dtype), W.to(dtype)) has (the same products, each rounded back to its input's
-    dtype once), keeping x as it is for backward and widening it again there on scratch memory,
-    instead of saving a fresh widened copy (x.to(dtype) made one, autograd kept it, and the
-    gradient of x went through a fresh float32 [T, D] too). Router forward+backward alone,
+    F.linear(x.to(dtype), W.to(dtype)) has (its products, each rounded back to its input's dtype
+    once; the logits and the weight's gradient on `_linear32`'s kernel), keeping x as it is for
+    backward and widening it again there on scratch memory, instead of saving a fresh widened
+    copy (x.to(dtype) made one, autograd kept it, and the gradient of x went through a fresh
+    float32 [T, D] too). Router forward+backward alone,
     Mixtral's at T = 8192: ~33 ms before (three thin sgemms on fresh memory 17, the casts 10)."""
 
     @staticmethod
