@@ -1680,40 +1680,26 @@ def test_slot_sum_rows_writes_each_tokens_sum_in_row_order(src_dtype, weighted, 
     assert wide16[:, :2].isnan().all() and wide16[:, cols + 2 :].isnan().all()
 
 
-def test_slot_sum_rows_declines_and_names_misfits():
-    """As scatter_add_rows: a token out of range gives False with out untouched; other dtypes
-    or a strided token give False; shapes that do not fit, an error naming them."""
+@pytest.mark.parametrize("name", ["scatter_add_rows", "slot_sum_rows"])
+def test_slot_sums_decline_and_name_misfits(name):
+    """A token out of range: False and out untouched (the caller's index_add_ then raises); other
+    dtypes (a float16 out; scatter_add_rows a bf16 one too) or a strided token: False; shapes
+    that do not fit: an error naming the entry point and them."""
     _needs_kernel()
+    run = getattr(_small_gemm, name)
     out = torch.full((4, 16), 7.0)
     src = torch.ones(3, 16)
     for bad in ([0, 1, 4], [0, -1, 2]):
-        assert not _small_gemm.slot_sum_rows(out, torch.tensor(bad), src)
+        assert not run(out, torch.tensor(bad), src)
         assert bool((out == 7).all())
     token = torch.tensor([0, 1, 2])
-    assert not _small_gemm.slot_sum_rows(out.half(), token, src)
-    assert not _small_gemm.slot_sum_rows(out, token.int(), src)
-    assert not _small_gemm.slot_sum_rows(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
+    assert not run(out.half(), token, src)
+    assert name == "slot_sum_rows" or not run(out.bfloat16(), token, src)
+    assert not run(out, token.int(), src)
+    assert not run(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
+    assert not run(out, token, src, torch.ones(3, dtype=torch.float64))
     assert bool((out == 7).all())
-    with pytest.raises(ValueError, match=r"slot_sum_rows: .*do not fit.*out \[T, D\]"):
-        _small_gemm.slot_sum_rows(out, token, torch.ones(3, 15))
-
-
-def test_scatter_add_rows_declines_and_names_misfits():
-    """A token out of range: False and out untouched (the caller's index_add_ then raises); other
-    dtypes or a strided token: False; shapes that do not fit: an error naming them."""
-    _needs_kernel()
-    out = torch.zeros(4, 16)
-    src = torch.ones(3, 16)
-    for bad in ([0, 1, 4], [0, -1, 2]):
-        assert not _small_gemm.scatter_add_rows(out, torch.tensor(bad), src)
-        assert bool((out == 0).all())
-    token = torch.tensor([0, 1, 2])
-    assert not _small_gemm.scatter_add_rows(out.bfloat16(), token, src)
-    assert not _small_gemm.scatter_add_rows(out, token.int(), src)
-    assert not _small_gemm.scatter_add_rows(out, torch.tensor([0, 9, 1, 9, 2, 9])[::2], src)
-    assert not _small_gemm.scatter_add_rows(out, token, src, torch.ones(3, dtype=torch.float64))
-    assert bool((out == 0).all())
-    with pytest.raises(ValueError, match=r"do not fit.*out \[T, D\]"):
-        _small_gemm.scatter_add_rows(out, token, torch.ones(3, 15))
+    with pytest.raises(ValueError, match=rf"{name}: .*do not fit.*out \[T, D\]"):
+        run(out, token, torch.ones(3, 15))
     with pytest.raises(ValueError, match="do not fit"):
-        _small_gemm.scatter_add_rows(out, token, src, torch.ones(2))
+        run(out, token, src, torch.ones(2))
