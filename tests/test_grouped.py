@@ -906,9 +906,9 @@ def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch,
     T, D, F = 64, 32, 16
     x = torch.randn(T, D).to(dtype).requires_grad_()
     w1, w2 = (torch.randn(2, 2 * F, D) / 6).to(dtype), (torch.randn(2, D, F) / 4).to(dtype)
-    token_N = torch.randperm(T)
-    weight_N = torch.rand(T)
-    counts = torch.tensor([30, 34])
+    token_N = torch.randperm(2 * T) % T  # two slots a token: the groups' row temporaries are
+    weight_N = torch.rand(2 * T)  # [2T, D], told apart from the [T, D] sums
+    counts = torch.tensor([60, 68])
     y = routed_ffn(x, w1, w2, counts, token_N, weight_N, activation="silu", gated=True)
     y.backward(torch.ones_like(y))
     sums = [c for c in calls if c == ((T, D), torch.float32)]

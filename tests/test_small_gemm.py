@@ -1546,6 +1546,7 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
     assert ran.count(True) >= 2 * 2 * 3  # both projections of (almost) every expert, steps 2 and 3
 
 
+@pytest.mark.skipif(os.environ.get("MOE_FFN_SMALL_GEMM") == "0", reason="switched off by MOE_FFN_SMALL_GEMM=0")
 def test_avx512_gradients_run_where_sgemm_runs_at_avx2_width():
     """On an AMD CPU that torch runs at AVX-512 (MKL's sgemm there runs its AVX2 code), with
     the library built, float32 gradients must go to the AVX-512 kernels: the choice must not
