@@ -1015,6 +1015,24 @@ def _accumulator(
 _SLOT_ROWS_MAX_BYTES = 1 << 28
 
 
+def _sums_by_token(x: Tensor, rows: int, cols: int, weight_N: Optional[Tensor] = None) -> bool:
+    """Whether the sum over each token's slots of `rows` [rows, cols] slot rows in x's dtype
+    goes token by token (`_sum_by_token`): the kernel runs, and the rows may be kept."""
+    return rows * cols * x.element_size() <= _SLOT_ROWS_MAX_BYTES and _small_gemm.slot_sums_fit(x, x.dtype, weight_N)
+
+
+def _sum_by_token(out: Tensor, token_N: Tensor, rows_ND: Tensor, weight_N: Optional[Tensor] = None) -> Tensor:
+    """out[t] = Σ rows_ND[n]·weight_N[n] over the rows n of token t (`_small_gemm.slot_sum_rows`,
+    every row of out written); where the kernel declines (a token out of range), the same sum
+    by torch's ops in float32 at least, into out where that is float32, else a new tensor
+    (index_add_ raises for such a token)."""
+    if _small_gemm.slot_sum_rows(out, token_N, rows_ND, weight_N):
+        return out
+    acc = torch.promote_types(out.dtype, torch.float32)
+    out = out.zero_() if out.dtype == acc else out.new_zeros(out.shape, dtype=acc)
+    return out.index_add_(0, token_N, rows_ND.to(acc) if weight_N is None else torch.mul(rows_ND, weight_N[:, None]))
+
+
 def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation, gated, keep_h=True):
     """The forward of both FFN ops (see `grouped_ffn` and `routed_ffn`).
 
@@ -1048,10 +1066,7 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
     # (`_small_gemm.slot_sum_rows`, the down projection's rows kept for it, up to
     # _SLOT_ROWS_MAX_BYTES), or added group by group into a zeroed sum (torch's ops, or the
     # kernel's `scatter_add_rows`, where the slots' rows are not kept).
-    by_token = (
-        token_N is not None and used * D * x.element_size() <= _SLOT_ROWS_MAX_BYTES
-        and _small_gemm.slot_sums_fit(x, x.dtype, weight_N)
-    )
+    by_token = token_N is not None and _sums_by_token(x, used, D, weight_N)
     if token_N is None:
         out = _memory.empty(x, N, D)
         if used < N:
@@ -1106,9 +1121,8 @@ def _ffn_forward(x, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, a
                     y_pD = torch.mul(y_pD, weight_N[lo:hi, None], out=_memory.scratch(x, hi - lo, D, dtype=weight_N.dtype))
                 out.index_add_(0, token_N[lo:hi], y_pD)
             del y_pD
-    if by_token and not _small_gemm.slot_sum_rows(out, token_N[:used], y_ND, weight_N[:used]):
-        out.zero_()  # (a token out of range: index_add_ raises for it)
-        out.index_add_(0, token_N[:used], torch.mul(y_ND, weight_N[:used, None]))
+    if by_token:
+        out = _sum_by_token(out, token_N[:used], y_ND, weight_N[:used])
     return out, h_NH
 
 
@@ -1161,10 +1175,7 @@ def _ffn_backward(
     routed = token_N is not None
     # x's gradient summed over each token's slots token by token, as the forward sums (see
     # _SLOT_ROWS_MAX_BYTES), where the slots' rows come out in x's dtype
-    by_token = (
-        routed and need_x and cdt == dtype and used * D * x.element_size() <= _SLOT_ROWS_MAX_BYTES
-        and _small_gemm.slot_sums_fit(x, dtype)
-    )
+    by_token = routed and need_x and cdt == dtype and _sums_by_token(x, used, D)
     if not need_x:
         grad_x = x.new_empty(0, D)
     elif by_token:  # each token's float32 sum rounded once into the result (the kernel)
@@ -1256,9 +1267,8 @@ def _ffn_backward(
                     dx_gD = _memory.scratch(grad_x, last - first, D).copy_(dx_gD)
                 grad_x.index_add_(0, token_N[first:last], dx_gD)
         del x_gD, dx_gD, dh_gH
-    if by_token and not _small_gemm.slot_sum_rows(grad_x, token_N[:used], dx_ND):
-        grad_x = grad_x.new_zeros(grad_x.shape, dtype=torch.promote_types(dtype, torch.float32))
-        grad_x.index_add_(0, token_N[:used], dx_ND.to(grad_x.dtype))  # (a token out of range: it raises)
+    if by_token:
+        grad_x = _sum_by_token(grad_x, token_N[:used], dx_ND)
     if routed and need_x:
         grad_x = grad_x.to(dtype)
     return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N

@@ -74,8 +74,8 @@ class _WidenedLogits(torch.autograd.Function):
     once; the logits and the weight's gradient on `_linear32`'s kernel), keeping x as it is for
     backward and widening it again there on scratch memory, instead of saving a fresh widened
     copy (x.to(dtype) made one, autograd kept it, and the gradient of x went through a fresh
-    float32 [T, D] too). Router forward+backward alone,
-    Mixtral's at T = 8192: ~33 ms before (three thin sgemms on fresh memory 17, the casts 10)."""
+    float32 [T, D] too). Router forward+backward alone, Mixtral's at T = 8192: ~33 ms before
+    (three thin sgemms on fresh memory 17, the casts 10)."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
