@@ -894,9 +894,9 @@ def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch,
     """The forward's float32 sum over each token's slots and the backward's input gradient sum
     are temporaries where the result is cast from them (bf16 layers): scratch memory, reused
     step after step; where the sum is the result itself (float32) it is fresh memory, never
-    the pool's; where the backward sums token by token (`_small_gemm.slot_sum_rows`), it rounds
-    each token's float32 sum into the bf16 result itself and needs none. The results match the
-    float32 op either way."""
+    the pool's; where the forward and the backward sum token by token
+    (`_small_gemm.slot_sum_rows`), each token's float32 sum is rounded into the bf16 result
+    itself and neither needs one. The results match the float32 op either way."""
     calls = []
     real = grouped._memory.scratch
     monkeypatch.setattr(
@@ -913,10 +913,44 @@ def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch,
     y.backward(torch.ones_like(y))
     sums = [c for c in calls if c == ((T, D), torch.float32)]
     by_token = _small_gemm.slot_sums_fit(x, dtype)
-    assert len(sums) == ((1 if by_token else 2) if dtype == torch.bfloat16 else 0)
+    assert len(sums) == ((0 if by_token else 2) if dtype == torch.bfloat16 else 0)
     x32 = x.detach().float().requires_grad_()
     y32 = routed_ffn(x32, w1.float(), w2.float(), counts, token_N, weight_N, activation="silu", gated=True)
     y32.backward(torch.ones_like(y32))
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(y.float(), y32, atol=tol, rtol=tol)
     torch.testing.assert_close(x.grad.float(), x32.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("declined", [False, True])
+@pytest.mark.parametrize("T", [3, 64])
+def test_routed_bf16_result_is_the_float32_sum_rounded_once_in_the_op(monkeypatch, T, declined):
+    """A bf16 layer's routed_ffn returns bf16 from the op itself (each token's float32 sum
+    rounded once: by the slot-sum kernel straight into the result, or, with the kernel
+    declined, cast at the op's end), where it used to return the float32 sum for a cast
+    outside: bit for bit that composition, forward and every gradient (its output gradient
+    now arrives in bf16, which float32 holds exactly). T = 3 is a decode step."""
+    if declined:
+        monkeypatch.setattr(grouped._small_gemm, "slot_sum_rows", lambda *args, **kwargs: False)
+    torch.manual_seed(7)
+    D, F, E = 32, 16, 4
+    leaves = [
+        torch.randn(T, D).bfloat16(), (torch.randn(E, 2 * F, D) / 6).bfloat16(), (torch.randn(E, D, F) / 4).bfloat16()
+    ]
+    token_N = torch.randperm(2 * T) % T
+    counts = torch.bincount(torch.randint(0, E, (2 * T,)), minlength=E)
+    weight_N = torch.rand(2 * T)
+    new = [t.clone().requires_grad_() for t in leaves] + [weight_N.clone().requires_grad_()]
+    old = [t.clone().requires_grad_() for t in leaves] + [weight_N.clone().requires_grad_()]
+    y = routed_ffn(*new[:3], counts, token_N, new[3], activation="silu", gated=True)
+    y32, _ = grouped._call(
+        grouped._routed_ffn_op, grouped._RoutedFFNEager, *old[:3], counts, token_N, old[3], None, None, "silu", True,
+        torch.float32,
+    )
+    assert y.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    assert torch.equal(y, y32.to(torch.bfloat16))
+    g = torch.randn(T, D).bfloat16()
+    y.backward(g)
+    y32.to(torch.bfloat16).backward(g)
+    for a, b in zip(new, old):
+        assert a.grad.dtype == b.grad.dtype and torch.equal(a.grad, b.grad)
