@@ -52,12 +52,23 @@ def _linear32(a: Tensor, b: Tensor) -> Tensor:
     → 1.19; the weight gradient gᵀ·x at T = 2048 2.08 → 0.79 / 0.51 → 0.26, at T = 8192 9.08
     → 3.66 / 3.15 → 1.59. Below _ONEDNN_MIN_MACS multiply-adds oneDNN's hand-off to its two
     threads costs more than it saves (the router's forward+backward alone at T = 16: 0.16 →
-    0.21 ms, 0.25 → 0.29; at T = 256 level). (The input gradient g·W stays on torch.mm into
-    scratch memory: oneDNN's fresh [T, D] result faulted its pages in, 6.1 → 12.1 ms at T = 8192.)"""
+    0.21 ms, 0.25 → 0.29; at T = 256 level). (The input gradient g·W: see `_matmul32`.)"""
     if a.device.type == "cpu" and a.dtype == torch.float32 and a.shape[0] * b.numel() >= _ONEDNN_MIN_MACS:
         if _small_gemm.sgemm_at_avx2_width() and _small_gemm.onednn_linear_available():
             return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
     return F.linear(a, b)
+
+
+def _matmul32(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """out = a·b for float32 [T, E]·[E, D] (the input gradient g·W, into scratch memory): on
+    moe_ffn's AVX-512 blocked product where MKL's sgemm runs its AVX2 code (as `_linear32`),
+    torch.mm elsewhere. Its k ≤ E steps of a sum, output-bound: on the 2-core EPYC of family 26
+    (ms, medians of 10) torch.mm → the kernel E = 64 at T = 256 / 2048 / 8192 0.18 → 0.11,
+    1.50 → 0.77, 6.66 → 3.07; E = 8 at T = 2048 / 8192 0.77 → 0.28, 3.68 → 1.45. oneDNN's
+    inner product wrote a fresh [T, D] result, faulted in page by page (11.3 ms at T = 8192)."""
+    if _small_gemm.sgemm_at_avx2_width() and _small_gemm.avx512_matmul_into(out, a, b):
+        return out
+    return torch.mm(a, b, out=out)
 
 
 def _widened(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -89,7 +100,7 @@ class _WidenedLogits(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             g_TD = _memory.scratch(g_TE, x_TD.shape[0], x_TD.shape[1], dtype=dtype)
-            grad_x = torch.mm(g_TE, w_ED.to(dtype), out=g_TD).to(x_TD.dtype)
+            grad_x = _matmul32(g_TD, g_TE, w_ED.to(dtype)).to(x_TD.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = _linear32(g_TE.t().contiguous(), _widened(x_TD, dtype).t()).to(w_ED.dtype)
         return grad_x, grad_w
