@@ -1593,13 +1593,13 @@ def routed_ffn(
     Row n of the expert order belongs to token `token_N[n]` and to the expert whose block
     (`counts_E`) holds it; each group of rows is gathered from x, run through its experts'
     FFNs (as `grouped_ffn`) and added, scaled by `weight_N[n]`, into an accumulator in
-    weight_N's dtype; the sum is rounded to x's dtype once, inside the op. Rows past `counts_E.sum()` (dropped
-    by a capacity limit) contribute nothing. Against permute → grouped_ffn → weighted sum,
-    which keep [N, D] inputs and outputs for backward and build [N, D] gradients (N = T·k rows
-    are k copies of the tokens), this keeps x_TD and the first projection [N, H] only, and
-    row copies exist one group at a time (≤ ~4M elements, or one expert's block): the
-    backward gathers each group's rows again and takes the routing weights' gradient from the
-    down projection's input gradient.
+    weight_N's dtype; the sum is rounded to x's dtype once, inside the op. Rows past
+    `counts_E.sum()` (dropped by a capacity limit) contribute nothing. Against permute →
+    grouped_ffn → weighted sum, which keep [N, D] inputs and outputs for backward and build
+    [N, D] gradients (N = T·k rows are k copies of the tokens), this keeps x_TD and the first
+    projection [N, H] only, and row copies exist one group at a time (≤ ~4M elements, or one
+    expert's block): the backward gathers each group's rows again and takes the routing
+    weights' gradient from the down projection's input gradient.
 
     Args:
         x_TD: [T, D] tokens.

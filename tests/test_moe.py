@@ -286,9 +286,11 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         router_module._memory, "scratch", lambda like, *shape, dtype=None: calls.append(shape) or real(like, *shape, dtype=dtype)
     )
     real_kernel = router_module._small_gemm.avx512_matmul_into
-    monkeypatch.setattr(
-        router_module._small_gemm, "avx512_matmul_into", lambda *args: kernel_runs.append(real_kernel(*args)) or kernel_runs[-1]
-    )
+    def spy_kernel(*args):
+        kernel_runs.append(real_kernel(*args))
+        return kernel_runs[-1]
+
+    monkeypatch.setattr(router_module._small_gemm, "avx512_matmul_into", spy_kernel)
     torch.manual_seed(5)
     moe = MoE(dim=96, hidden_dim=32, num_experts=8, top_k=2).to(torch.bfloat16)
     x = torch.randn(300, 96).bfloat16().requires_grad_(grad)
