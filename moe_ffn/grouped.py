@@ -1078,8 +1078,12 @@ def _ffn_forward(
         if used < N:
             out[used:].zero_()
     elif by_token and out_dtype in (torch.float32, torch.bfloat16):
-        # each token's sum rounded straight into the result (see _sum_by_token)
-        out = _memory.empty(weight_N, x.shape[0], D, dtype=out_dtype)
+        # each token's sum rounded straight into the result (see _sum_by_token); a bf16
+        # result on plain memory, as the cast it replaces made it (see routed_ffn)
+        out = (
+            _memory.empty(weight_N, x.shape[0], D) if out_dtype == weight_N.dtype
+            else weight_N.new_empty(x.shape[0], D, dtype=out_dtype)
+        )
     else:
         out = _accumulator(weight_N, x.shape[0], D, out_dtype, zeroed=not by_token)
     y_ND = _memory.scratch(x, used, D) if by_token else None
@@ -1624,10 +1628,14 @@ def routed_ffn(
     # cast after it: the slot-sum kernel rounds each token's float32 sum straight into the bf16
     # result (bit for bit the cast), and the backward's output gradient then arrives in bf16,
     # where autograd had widened it to a float32 [T, D] copy whose rows every group gathered
-    # (twice the bytes) and rounded back. bf16 forward+backward, A/B in one process (2-core
-    # EPYC of family 26, 5–9 rounds): fine-grained T = 1 / 16 / 256 / 2048 / 8192 1.015 /
-    # 1.016 / 1.034 / 1.028 / 1.033×, Mixtral 1.048 / 0.994 / 1.000 / 1.008 / 1.004×; forward
-    # alone 0.996–1.009×.
+    # (twice the bytes) and rounded back. The bf16 result is plain memory, as the cast made
+    # it: on memory that asked for huge pages (`_memory.empty`) every step's fresh result
+    # left the benchmark's later float32 cases slower (fine-grained forward+backward T=2048
+    # after the bf16 Mixtral cases 454 → 541 ms; 422 with plain memory). bf16, A/B in one
+    # process (2-core EPYC of family 26, 5–9 rounds), forward+backward fine-grained T = 256 /
+    # 2048 / 8192 1.082 / 1.040 / 1.041×, Mixtral T = 1 / 16 / 256 / 2048 / 8192 0.980 / 1.006
+    # / 0.980 / 1.014 / 1.001× (an earlier A/B at T = 1 and 256: 1.048, 1.000); forward fine
+    # 0.979 / 1.012 / 1.042×, Mixtral 1.014 / 1.005 / 1.012× at T = 256 / 2048 / 8192.
     out_TD, _ = _call(
         _routed_ffn_op, _RoutedFFNEager, x_TD, w1_EHD, w2_EDF, counts_E, token_N, weight_N, b1_EH, b2_ED, activation,
         gated, out_dtype,
