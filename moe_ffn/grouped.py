@@ -1054,10 +1054,12 @@ def _ffn_forward(
     cdt = _compute_dtype(x)
     blocks = _row_blocks(counts_E, N)
     used = _rows_used(blocks)
+    if token_N is not None and out_dtype is None:
+        out_dtype = weight_N.dtype
     project = _decode_projection(x, w1_EHD, w2_EDF, blocks, counts_E, b1_EH is not None, cdt)
     if project is not None:
         out, h_NH = _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
-        return (out if token_N is None or out_dtype is None else out.to(out_dtype)), h_NH
+        return (out if token_N is None else out.to(out_dtype)), h_NH
     groups = _groups(blocks, H, split=False)
     if keep_h:
         h_NH = _memory.scratch(x, N, H)  # the first projection's output, kept for backward
@@ -1071,19 +1073,15 @@ def _ffn_forward(
     # _SLOT_ROWS_MAX_BYTES), or added group by group into a zeroed sum (torch's ops, or the
     # kernel's `scatter_add_rows`, where the slots' rows are not kept).
     by_token = token_N is not None and _sums_by_token(x, used, D, weight_N)
-    if token_N is not None:
-        out_dtype = weight_N.dtype if out_dtype is None else out_dtype
     if token_N is None:
         out = _memory.empty(x, N, D)
         if used < N:
             out[used:].zero_()
-    elif by_token and out_dtype in (torch.float32, torch.bfloat16):
-        # each token's sum rounded straight into the result (see _sum_by_token); a bf16
-        # result on plain memory, as the cast it replaces made it (see routed_ffn)
-        out = (
-            _memory.empty(weight_N, x.shape[0], D) if out_dtype == weight_N.dtype
-            else weight_N.new_empty(x.shape[0], D, dtype=out_dtype)
-        )
+    elif by_token and out_dtype == torch.bfloat16:
+        # each token's float32 sum rounded straight into the bf16 result (see _sum_by_token),
+        # on plain memory, as the cast it replaces made it (see routed_ffn); a float32 result
+        # is the accumulator itself
+        out = weight_N.new_empty(x.shape[0], D, dtype=out_dtype)
     else:
         out = _accumulator(weight_N, x.shape[0], D, out_dtype, zeroed=not by_token)
     y_ND = _memory.scratch(x, used, D) if by_token else None
