@@ -541,35 +541,63 @@ inline void store16(uint16_t* at, __m512 v, __mmask16 mask) { _mm256_mask_storeu
 
 using Swiglu = moe_ffn_team::Swiglu<uint16_t>;
 
-// Row r, in float32, every intermediate that one of torch's bf16 ops would store rounded where
-// that op rounds it (grouped._hidden and _hidden_backward, each a native bf16 op computing in
-// float32): act = silu(g) = g / (1 + e^-g), a = act·u, the products a·da summed for dweight
-// (and the sum), the routing weight (cast to bf16), dav = da·w, dav·u, and both halves of dh,
-// silu_backward's as torch forms it: (dy·s)·(1 + g·(1 − s)) with s = 1 / (1 + e^-g).
-void swiglu_row(const Swiglu& p, int64_t r, int64_t ahead) {  // ahead: see swiglu_row_ahead
+// Rounding as torch's bf16 ops round, by to_bf16's integer steps: the rounded values' bf16 bits
+// (`bits`) and the same widened back to float32 (`rounded`). (`special`: see NativeRound.)
+struct ExactRound {
+  static constexpr __mmask16 special = 0;
+  static __m256i bits(__m512 v) { return to_bf16(v); }
+  static __m512 rounded(__m512 v) { return ::rounded(v); }
+};
+
+inline __m512 widened(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Columns [f, f + 16) of row r (the lanes of `mask`), in float32, every intermediate that one
+// of torch's bf16 ops would store rounded where that op rounds it (grouped._hidden and
+// _hidden_backward, each a native bf16 op computing in float32): act = silu(g) = g / (1 + e^-g),
+// a = act·u, the products a·da (returned, to be summed for dweight), the routing weight w
+// (rounded by the caller), dav = da·w, dav·u, and both halves of dh, silu_backward's as torch
+// forms it: (dy·s)·(1 + g·(1 − s)) with s = 1 / (1 + e^-g). a is stored as the bits it was
+// rounded to (to_bf16 of the rounded value gave the same bits again).
+template <typename Round>
+inline __m512 swiglu_step(const Swiglu& p, int64_t r, int64_t f, __mmask16 mask, __m512 w, Round& round) {
   const uint16_t* gate = p.h + r * p.ldh;
-  const uint16_t* up = gate + p.features;
   const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 g = load16(gate + f, mask), u = load16(gate + p.features + f, mask);
+  const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  const __m512 act = round.rounded(_mm512_div_ps(g, denominator));
+  const __m256i a_bits = round.bits(_mm512_mul_ps(act, u));
+  if (p.a) _mm256_mask_storeu_epi16(p.a + r * p.lda + f, mask, a_bits);
+  if (!p.dh) return _mm512_setzero_ps();
+  const __m512 da = load16(p.da + r * p.ldda + f, mask);  // (zeros past the mask: the sum unaffected)
+  const __m512 a_da = round.rounded(_mm512_mul_ps(widened(a_bits), da));
+  const __m512 dav = round.rounded(_mm512_mul_ps(da, w));
+  const __m512 dy = round.rounded(_mm512_mul_ps(dav, u));
+  const __m512 s = _mm512_div_ps(one, denominator);
+  const __m512 slope = _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, s)));
+  _mm256_mask_storeu_epi16(p.dh + r * p.lddh + f, mask, round.bits(_mm512_mul_ps(_mm512_mul_ps(dy, s), slope)));
+  _mm256_mask_storeu_epi16(p.dh + r * p.lddh + p.features + f, mask, round.bits(_mm512_mul_ps(dav, act)));
+  return a_da;
+}
+
+// Row r, step by step (swiglu_step) with the rounding `Round`; a step of NativeRound's that
+// met a lane the instruction does not round as torch does is done again by ExactRound.
+template <typename Round>
+void swiglu_row(const Swiglu& p, int64_t r, int64_t ahead) {  // ahead: see swiglu_row_ahead
   const __m512 w = rounded(_mm512_set1_ps(p.weight ? p.weight[r] : 1.0f));
   __m512 dot = _mm512_setzero_ps();
   for (int64_t f = 0; f < p.features; f += 16) {
     const int64_t n = std::min<int64_t>(16, p.features - f);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     if ((f & 31) == 0) moe_ffn_team::swiglu_prefetch(p, ahead, f);  // (32 bf16: one line)
-    const __m512 g = load16(gate + f, mask), u = load16(up + f, mask);
-    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 act = rounded(_mm512_div_ps(g, denominator));
-    const __m512 a = rounded(_mm512_mul_ps(act, u));
-    if (p.a) store16(p.a + r * p.lda + f, a, mask);
-    if (!p.dh) continue;
-    const __m512 da = load16(p.da + r * p.ldda + f, mask);  // (zeros past n: dot unaffected)
-    dot = _mm512_add_ps(dot, rounded(_mm512_mul_ps(a, da)));
-    const __m512 dav = rounded(_mm512_mul_ps(da, w));
-    const __m512 dy = rounded(_mm512_mul_ps(dav, u));
-    const __m512 s = _mm512_div_ps(one, denominator);
-    const __m512 slope = _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, s)));
-    store16(p.dh + r * p.lddh + f, _mm512_mul_ps(_mm512_mul_ps(dy, s), slope), mask);
-    store16(p.dh + r * p.lddh + p.features + f, _mm512_mul_ps(dav, act), mask);
+    Round round;
+    __m512 a_da = swiglu_step(p, r, f, mask, w, round);
+    if (round.special) {
+      ExactRound exact;
+      a_da = swiglu_step(p, r, f, mask, w, exact);
+    }
+    dot = _mm512_add_ps(dot, a_da);
   }
   if (p.dweight) p.dweight[r] = _mm512_cvtss_f32(rounded(_mm512_set1_ps(_mm512_reduce_add_ps(dot))));
 }
@@ -580,6 +608,53 @@ bool avx512_ready() {
   return usable;
 }
 
+// Whether the CPU rounds float32 to bf16 by instruction (AVX512-BF16: see NativeRound).
+bool avx512_bf16_ready() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return avx512_ready() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+  }();
+  return usable;
+}
+
+void swiglu_row_exact(const Swiglu& p, int64_t r, int64_t ahead) { swiglu_row<ExactRound>(p, r, ahead); }
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// The SwiGLU passes' rounding where the CPU has AVX512-BF16: one vcvtneps2bf16 for to_bf16's
+// seven steps. It rounds to nearest even as to_bf16 does, but quiets a NaN keeping its sign and
+// payload (torch: 0x7FC0) and flushes subnormals to zero (torch keeps them): a step that met
+// either in any lane is done again by ExactRound (as _avx512.cpp's store32 falls back).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16,avx512bf16")
+
+namespace {
+
+struct NativeRound {
+  static constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // quiet NaN, signalling NaN, subnormal
+  __mmask16 special = 0;
+  __m256i bits(__m512 v) {
+    special |= _mm512_fpclass_ps_mask(v, kNanOrSubnormal);
+    return (__m256i)_mm512_cvtneps_pbh(v);
+  }
+  __m512 rounded(__m512 v) { return widened(bits(v)); }
+};
+
+__attribute__((flatten)) void swiglu_row_native(const Swiglu& p, int64_t r, int64_t ahead) {
+  swiglu_row<NativeRound>(p, r, ahead);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")
+
+namespace {
+
 int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
   if (!avx512_ready() || rows < 0 || p.features < 0 || threads < 1) return -1;
   if (rows == 0) return 0;
@@ -588,7 +663,11 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(rows, 1, t, n, &first, &last);
-    for (int64_t r = first; r < last; ++r) swiglu_row(p, r, moe_ffn_team::swiglu_row_ahead(p, r, last));
+    const bool native = avx512_bf16_ready();
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t ahead = moe_ffn_team::swiglu_row_ahead(p, r, last);
+      native ? swiglu_row_native(p, r, ahead) : swiglu_row_exact(p, r, ahead);
+    }
   });
   return 0;
 }

@@ -99,16 +99,27 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def swiglu_available() -> bool:
     """Whether the bf16 SwiGLU backward pass runs here: it needs AVX-512 only, not AMX, so CPUs
-    with AVX512-BF16 but no tiles (whose bf16 layers compute in bf16) take it too. There the
-    forward pass stays on torch's two ops: on the 2-core AMD EPYC with AVX512-BF16 (interleaved
-    A/B in one process, torch's ops → the pass, 7 rounds forward, 5 forward+backward) the
-    forward was level or behind (Mixtral T = 16 / 256 / 2048 1.05 / 1.01 / 0.95×, fine 1.02 /
-    0.97 / 0.97×); forward+backward with the backward pass alone 0.99 / 1.05 / 1.02×, fine
-    1.02 / 1.01 / 1.00×."""
+    with AVX512-BF16 but no tiles (whose bf16 layers compute in bf16) take it too. On the 2-core
+    AMD EPYC with AVX512-BF16 (interleaved A/B in one process, torch's ops → the pass, 7 rounds
+    forward, 5 forward+backward), when the passes still rounded by to_bf16's integer steps, the
+    forward pass was level or behind (Mixtral T = 16 / 256 / 2048 1.05 / 1.01 / 0.95×, fine 1.02 /
+    0.97 / 0.97×; see swiglu_forward_available for it now); forward+backward with the backward
+    pass alone 0.99 / 1.05 / 1.02×, fine 1.02 / 1.01 / 1.00×."""
     points = _entry_points()
     return points is not None and _small_gemm.torch_openmp() is not None and (
         points[0]() == 1 or _small_gemm._avx512_entry_points() is not None
     )
+
+
+@functools.lru_cache(maxsize=None)
+def swiglu_forward_available() -> bool:
+    """Whether the bf16 SwiGLU forward pass runs here: AMX CPUs, and AVX-512 CPUs with AVX512-BF16
+    (where the pass rounds by instruction: see _amx.cpp's NativeRound). With the integer rounding
+    on such a CPU it was level with torch's two ops or behind (see swiglu_available); with the
+    instruction's, on the 2-core AMD EPYC of family 26, interleaved A/B in one process (torch's
+    ops → the pass, 9 rounds), forward Mixtral T = 256 / 2048 1.036 / 1.027×, fine 0.999 /
+    1.050×, T = 1 / 16 / 64 0.993–1.028×."""
+    return swiglu_available() and (available() or torch.cpu._is_avx512_bf16_supported())
 
 
 def _bf16(*tensors: Tensor) -> bool:
@@ -203,9 +214,9 @@ def swiglu(h: Tensor) -> Optional[Tensor]:
     """silu(gate)·up for bf16 h = gate | up [rows, 2F] in one pass (AVX-512), as a new bf16
     [rows, F] tensor rounded where torch's two bf16 ops round (silu's result, then the
     product); None where it does not run (the caller uses torch's ops)."""
-    if not (_bf16(h) and h.dim() == 2 and h.shape[1] % 2 == 0):
+    if not (_bf16(h) and h.dim() == 2 and h.shape[1] % 2 == 0 and swiglu_forward_available()):
         return None
-    openmp = _openmp((h,), None)  # (AMX CPUs only: see swiglu_available)
+    openmp = _openmp((h,), None, swiglu=True)
     if openmp is None:
         return None
     rows, F = h.shape[0], h.shape[1] // 2

@@ -215,8 +215,8 @@ def test_bf16_swiglu_kernels_are_torchs_bf16_ops(rows, F, scaled):
     dav = da if weight is None else da * weight[:, None].bfloat16()
     dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * up, gate), dav * act], dim=-1)
     a2, dh, dweight = _amx.swiglu_backward(h, da, weight, True, True)
-    a = _amx.swiglu(h)  # the forward pass: on AMX CPUs only (_amx.swiglu_available says why)
-    assert (a is None) == (not _amx.available())
+    a = _amx.swiglu(h)  # the forward pass: AMX or AVX512-BF16 CPUs (_amx.swiglu_forward_available)
+    assert (a is None) == (not _amx.swiglu_forward_available())
     assert a2.dtype == dh.dtype == torch.bfloat16 and dweight.dtype == torch.float32
     if a is not None:
         assert torch.equal(a.view(torch.int16), a2.view(torch.int16))
@@ -236,13 +236,64 @@ def test_bf16_swiglu_kernels_pass_nan_through_and_decline_what_they_do_not_take(
     h[1, 16 + 5] = float("nan")  # an up
     a, dh, dweight = _amx.swiglu_backward(h, da, None, True, True)
     assert a.isnan().nonzero().tolist() == [[0, 3], [1, 5]]
-    if _amx.available():  # (the forward pass: AMX CPUs only)
+    if _amx.swiglu_forward_available():
         assert _amx.swiglu(h).isnan().nonzero().tolist() == [[0, 3], [1, 5]]
     assert dh[0, [3, 16 + 3]].isnan().all() and dh[1, 5].isnan() and dweight.isnan().all() and dh.isnan().sum() == 3
     assert _amx.swiglu(h.float()) is None and _amx.swiglu(h[:, :31]) is None
     assert _amx.swiglu_backward(h, da.float(), None, True, True) is None  # mixed dtypes
     assert _amx.swiglu_backward(h, da[:, :15], None, True, True) is None  # da not [rows, F]
     assert _amx.swiglu(torch.ones(32, 2, dtype=bf16).t()) is None  # rows not contiguous
+
+
+def test_bf16_swiglu_kernels_round_nan_and_subnormals_as_torch_does():
+    """Lanes the AVX512-BF16 rounding instruction would get wrong, among ordinary ones: subnormal
+    values (torch keeps them; the instruction flushes them to zero), bit for bit torch's bf16 ops,
+    and NaNs with a sign and a payload (the instruction keeps both), as the kernels' one quiet
+    NaN 0x7FC0 (c10's scalar rounding; torch's vector code writes 0xFFFF, so NaN bits are not
+    compared with torch's); the other lanes of the same 16-lane steps (done again when a step
+    meets such a lane) as the other SwiGLU tests hold them. With such a gate e^-g is 1 or NaN,
+    so our e^x and torch's agree exactly there."""
+    _needs_swiglu()
+    torch.manual_seed(5)
+    rows, F = 4, 40  # two whole 16-lane steps and a part one per row
+    h = (torch.randn(rows, 2 * F) * 0.5).bfloat16()
+    da = torch.randn(rows, F).bfloat16()
+    bits = h.view(torch.int16)
+    special = [(0, 3), (1, 17), (2, 33), (3, 8)]  # one lane in each kind of step
+    def bf16_bits(value):  # (as int16)
+        return value - 0x10000 if value >= 0x8000 else value
+
+    bits[0, 3] = bf16_bits(0xFFC1)  # a negative quiet NaN with a payload
+    bits[1, 17] = bf16_bits(0x0023)  # a positive subnormal gate: act = g/2, a = act·up subnormal
+    bits[2, 33] = bf16_bits(0x8051)  # a negative one
+    bits[3, 8] = bf16_bits(0xFF81)  # a negative signalling NaN
+    da[1, 17], da[2, 33] = 0.75, -3.0
+    weight = torch.tensor([0.5, 1.25, 0.375, 2.0])
+    gate, up = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate)
+    a_ops = act * up
+    dav = da * weight[:, None].bfloat16()
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * up, gate), dav * act], dim=-1)
+    a2, dh, _ = _amx.swiglu_backward(h, da, weight, True, True)
+    outputs = [(a2, a_ops, F), (dh, dh_ops, 2 * F)]
+    a = _amx.swiglu(h)
+    if a is not None:
+        outputs.append((a, a_ops, F))
+    for value in (a_ops[1, 17], a_ops[2, 33], dh_ops[1, F + 17], dh_ops[2, F + 33]):  # (the inputs are special)
+        assert 0 < value.abs().item() < 2.0**-126
+    assert a_ops[0, 3].isnan() and a_ops[3, 8].isnan()
+    for got, want, width in outputs:
+        for r, f in special:
+            lanes = [c for c in (f, F + f) if c < width]
+            got_bits, want_bits = got[r, lanes].view(torch.int16), want[r, lanes].view(torch.int16)
+            nan = want[r, lanes].isnan()
+            assert torch.equal(got_bits[~nan], want_bits[~nan]), (r, f)
+            assert (got_bits[nan] == 0x7FC0).all() and got[r, lanes].isnan().sum() == nan.sum(), (r, f)
+        ordinary = ~want.isnan()
+        for r, f in special:
+            ordinary[r, [c for c in (f, F + f) if c < width]] = False
+        assert not got[ordinary].isnan().any()
+        assert _bf16_ulps(got[ordinary], want[ordinary]).max() <= 2
 
 
 def test_switched_off_with_the_library():
