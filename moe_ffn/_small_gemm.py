@@ -415,8 +415,9 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     """y[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
     into `out` [rows, O] or a new tensor, rows outside the blocks left unwritten; None where it
     does not run: float32, every block of 1 to this CPU's forward rows (`ranges()`), or on
-    AVX-512 CPUs decode-sized (`BLOCKS_MAX_ROWS`) on the AVX-512 kernel, all blocks in one
-    parallel region there; or bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
+    AVX-512 CPUs on the AVX-512 kernel, all blocks in one parallel region there (the rows
+    `avx512_linear_into` takes: `float32_blocks_max_rows`); or
+    bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
     or on AVX512-BF16 CPUs without AMX of 1 to BF16_FORWARD_MAX_ROWS on bf16 dot products
     (`bf16_forward_blocks_fit`). Each block's sums are the ones `linear_into` forms for it, or
     on AVX-512 CPUs `avx512_linear_into`."""
@@ -435,7 +436,9 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     avx512 = None if bf16 else _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
     if bf16:
         most = min(MAX_ROWS, ranges().bf16)
-    elif avx512 is not None or _torch_on_avx512():
+    elif avx512 is not None:
+        most = _avx512_forward_rows()[1]  # (each block as avx512_linear_into takes it)
+    elif _torch_on_avx512():
         most = BLOCKS_MAX_ROWS
     else:
         most = min(packed_max_rows(w_EOI.shape[2], w_EOI.shape[1], False), ranges().forward)
@@ -450,6 +453,17 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
         fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
     _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
     return y
+
+
+def float32_blocks_max_rows(x: Tensor) -> int:
+    """The most rows of a float32 block that `linear_blocks` takes here on the AVX-512 kernel
+    (where it runs for x; 0 where it does not): a caller whose larger blocks make it decline can
+    send it the others in one call. The grouped forward sent every block of those rows to
+    `avx512_linear_into` one by one, ~40–60 µs a block outside the kernel (fine-grained float32
+    at T = 256: 128 calls a step)."""
+    if x.dtype != torch.float32 or _avx512_for(1, AVX512_FORWARD_ROWS, (x,), None) is None:
+        return 0
+    return _avx512_forward_rows()[1]
 
 
 def _through_experts(name: str, fn, openmp, src: Tensor, w_EOI: Tensor, y: Tensor, blocks, transposed: bool) -> None:

@@ -1447,12 +1447,20 @@ def test_linear_blocks_declines_what_it_does_not_take(monkeypatch):
 
 @pytest.mark.machine_ranges
 def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
-    """On AVX-512 CPUs, blocks of 9–64 rows go to the AVX-512 forward kernel and weight
-    gradients of 16–96 rows to the AVX-512 weight-gradient kernel (T = 40, top-2 of 4 experts:
-    ~20 rows each); output and gradients against the float64 loop."""
+    """On AVX-512 CPUs, blocks of 9–64 rows go to the AVX-512 forward kernel (one by one, or a
+    group's blocks in one call of linear_blocks) and weight gradients of 16–96 rows to the
+    AVX-512 weight-gradient kernel (T = 40, top-2 of 4 experts: ~20 rows each); output and
+    gradients against the float64 loop."""
     _needs_avx512_kernel()
     ran = {"linear": 0, "weight_grad": 0}
     linear, weight_grad = _small_gemm.avx512_linear_into, _small_gemm.avx512_weight_grad_into
+    blocks_call = _small_gemm.linear_blocks
+
+    def counted_blocks(x, w, blocks, out=None):
+        y = blocks_call(x, w, blocks, out=out)
+        if y is not None and x.dtype == torch.float32:
+            ran["linear"] += len(blocks)
+        return y
 
     def counted_weight_grad(*args, **kwargs):
         done = weight_grad(*args, **kwargs)
@@ -1465,8 +1473,45 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
         return done
     monkeypatch.setattr(_small_gemm, "avx512_linear_into", counted_linear)
     monkeypatch.setattr(_small_gemm, "avx512_weight_grad_into", counted_weight_grad)
+    monkeypatch.setattr(_small_gemm, "linear_blocks", counted_blocks)
     _layer_against_float64(T=40)
     assert ran["linear"] >= 2 * 3 and ran["weight_grad"] >= 2 * 3  # both projections, (almost) every expert
+
+
+def test_float32_forward_sends_its_small_blocks_in_one_call_and_the_rest_one_by_one(monkeypatch):
+    """float32 blocks on the AVX-512 forward kernel: where some of a group's blocks are past the
+    rows linear_blocks takes, the others still go in one call of it (the large ones one by one);
+    the result is the float64 forward's, and bit for bit the every-block-by-itself path's."""
+    from moe_ffn import grouped
+
+    most = _small_gemm.float32_blocks_max_rows(torch.ones(1, 1))
+    if most == 0:
+        pytest.skip("the AVX-512 float32 forward kernel does not run here")
+    torch.manual_seed(11)
+    D, F = 64, 48
+    counts = torch.tensor([most + 12, 9, most, 0, most + 1, 17, 1])
+    x = torch.randn(int(counts.sum()), D)
+    w1, w2 = torch.randn(len(counts), 2 * F, D) / 8, torch.randn(len(counts), D, F) / 8
+    calls = []
+    blocks_call = _small_gemm.linear_blocks
+
+    def spy(x_, w_, blocks, out=None):
+        y = blocks_call(x_, w_, blocks, out=out)
+        calls.append((w_.shape[1], [stop - start for _, start, stop in blocks], y is not None))
+        return y
+
+    monkeypatch.setattr(_small_gemm, "linear_blocks", spy)
+    y = grouped.grouped_ffn(x, w1, w2, counts, activation="silu", gated=True)
+    small = [c for c in counts.tolist() if 0 < c <= most]
+    assert (2 * F, small, True) in calls and (D, small, True) in calls  # both projections' small blocks, one call each
+    ref, start = torch.empty(x.shape, dtype=torch.float64), 0
+    for e, c in enumerate(counts.tolist()):
+        h = x[start : start + c].double() @ w1[e].double().t()
+        ref[start : start + c] = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2[e].double().t()
+        start += c
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    _per_block(monkeypatch)
+    assert torch.equal(y, grouped.grouped_ffn(x, w1, w2, counts, activation="silu", gated=True))
 
 
 @pytest.mark.parametrize("T", [12, 80])
