@@ -468,6 +468,94 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
   return 0;
 }
 
+// The float32 backward's products of a group's blocks in one parallel region each, every block
+// as its single-block entry point above computes it (the same tiles, the same split of its
+// work among the threads, so the same sums): the layer called those block by block from
+// Python, ~20–60 µs a block outside the kernel (grouped.py, fine-grained T = 256: 256 calls a
+// step). Table rows blocks[4i .. 4i+3] = (expert, start, stop, accumulate), all checked before
+// anything is computed (-1: nothing written).
+
+namespace {
+
+bool float32_blocks_fit(const int64_t* blocks, int64_t count, int64_t experts, bool may_accumulate) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1] || b[3] < 0 || b[3] > (may_accumulate ? 1 : 0))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// Input gradients c[start:stop] = a[start:stop]·b_e for float32 a [rows, k], expert e's b_e
+// [k, n] (at b + e·b_expert, rows ldb apart), c [rows, n]: moe_ffn_avx512_matmul_f32's product
+// (a_steps_are_rows 0) block by block. Its threads split c's columns, so n must give each of
+// `threads` 64 or more (else -1).
+extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, const float* b, int64_t experts,
+                                                int64_t b_expert, int64_t ldb, float* c, int64_t ldc,
+                                                const int64_t* blocks, int64_t count, int64_t k, int64_t n,
+                                                int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (!ready() || k < 1 || threads < 1 || n < 64 * threads || count < 0 || !float32_blocks_fit(blocks, count, experts, false))
+    return -1;
+  const int64_t team_size = std::min<int64_t>(threads, n / 64);
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(n, 64, t, parts, &first, &last);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
+      const Matmul p{a + start * lda, lda, b + e * b_expert, ldb, c + start * ldc, ldc, stop - start, k, n};
+      if (stop > start) matmul_range<true>(p, 0, stop - start, first, last);
+    }
+  });
+  return 0;
+}
+
+// Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] (c_e += with the block's accumulate
+// flag) for float32 a [rows, m], b [rows, n] into expert e's c_e [m, n] (at c + e·c_expert, rows
+// ldc apart), block by block as the single-block entry points compute them: blocks of at most
+// `outer_rows` rows as moe_ffn_avx512_weight_grad_f32 (its streaming stores with `stream`, for
+// blocks that do not accumulate), larger ones as moe_ffn_avx512_matmul_f32 with
+// a_steps_are_rows (those may not accumulate, and n must give each thread 64 columns: else -1).
+extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                                     int64_t experts, int64_t c_expert, int64_t ldc,
+                                                     const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                                                     int64_t outer_rows, int stream, int threads, void* parallel,
+                                                     void* thread_num, void* num_threads) {
+  if (!ready() || m < 0 || n < 0 || threads < 1 || count < 0 || !float32_blocks_fit(blocks, count, experts, true))
+    return -1;
+  int64_t team_size = std::max<int64_t>(1, m / 24);  // (the outer-product kernel's team)
+  for (int64_t i = 0; i < count; ++i) {
+    if (blocks[4 * i + 2] - blocks[4 * i + 1] <= outer_rows) continue;
+    if (blocks[4 * i + 3] || n < 64 * threads) return -1;
+    team_size = std::max<int64_t>(team_size, n / 64);
+  }
+  team_size = std::min<int64_t>(threads, team_size);
+  on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], rows = blocks[4 * i + 2] - start;
+      const bool accumulate = blocks[4 * i + 3] != 0;
+      float* c_e = c + e * c_expert;
+      int64_t first, last;
+      if (rows <= outer_rows) {  // as moe_ffn_avx512_weight_grad_f32
+        const int64_t own = std::min<int64_t>(parts, std::max<int64_t>(1, m / 24));
+        if (t >= own) continue;
+        share(m, 6, t, own, &first, &last);
+        const WeightGrad p{a + start * lda, lda, b + start * ldb, ldb, c_e, ldc, rows, m, n, accumulate,
+                           stream != 0 && !accumulate};
+        run_rows(p, first, last);
+      } else {  // as moe_ffn_avx512_matmul_f32, a_steps_are_rows
+        const int64_t own = std::min<int64_t>(parts, n / 64);
+        if (t >= own) continue;
+        share(n, 64, t, own, &first, &last);
+        const Matmul p{a + start * lda, lda, b + start * ldb, ldb, c_e, ldc, m, rows, n};
+        matmul_range<false>(p, 0, m, first, last);
+      }
+    }
+  });
+  return 0;
+}
+
 // ---- bf16: a decode step's blocks (grouped.py's bf16 layers where the CPU has bf16 units) ----
 //
 // The int64 table blocks[4i .. 4i+3] = (expert, start, stop, accumulate) as above; every block is

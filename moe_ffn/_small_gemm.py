@@ -825,6 +825,86 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
     return status == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _float32_blocks_entry_points():
+    """(input gradients, weight gradients) float32 blocks entry points of the AVX-512 kernels
+    (_avx512.cpp), or None where they do not run."""
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points(
+        "moe_ffn_avx512_ready", "moe_ffn_avx512_matmul_blocks_f32", "moe_ffn_avx512_weight_grad_blocks_f32"
+    )
+    if points is None:
+        return None
+    input_grad, weight_grad = points
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    team = [c_int, ptr, ptr, ptr]
+    input_grad.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
+    weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, c_int] + team
+    return input_grad, weight_grad
+
+
+# The float32 backward's products on AMD's AVX-512 CPUs (`sgemm_at_avx2_width`), where the
+# layer sends every input gradient to `avx512_matmul_into` and every weight gradient to
+# `avx512_weight_grad_into` (to SGEMM_AVX2_WEIGHT_GRAD_ROWS rows) or, past those rows and not
+# accumulating, to `avx512_matmul_into`: a group's blocks in one call each (`_avx512.cpp`, the
+# same sums block by block), where the layer made one call per block from Python.
+def float32_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """out[start:stop] = g[start:stop]·w_EOI[e] for every block, in one call, each block as
+    `avx512_matmul_into` computes it; returns whether it ran (when False, `out` is untouched):
+    float32 g, w_EOI [E, O, I] (contiguous rows) and out, where MKL's sgemm runs its AVX2 code,
+    with I ≥ 64 a thread (the kernel's threads split the columns)."""
+    points = _float32_blocks_entry_points() if sgemm_at_avx2_width() else None
+    if points is None or not (
+        g.dtype == w_EOI.dtype == out.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
+        and w_EOI.shape[2] >= 64 * torch.get_num_threads() and blocks
+    ):
+        return False
+    kernel = _kernel_for((g,), out)
+    if kernel is None:
+        return False
+    _through_experts("float32_input_grad_blocks", points[0], kernel[1], g, w_EOI, out, blocks, transposed=False)
+    return True
+
+
+def float32_weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
+) -> list[bool]:
+    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] (added to where the block's `accumulate` is
+    set) for the blocks the single-block kernels would take (see above: blocks past
+    SGEMM_AVX2_WEIGHT_GRAD_ROWS rows only where not accumulating and n ≥ 64 a thread), in one
+    call: which blocks it computed (none: `out_EMN` untouched). float32 a [rows, m], b [rows, n]
+    and out_EMN [E, m, n] (contiguous rows)."""
+    none = [False] * len(blocks)
+    points = _float32_blocks_entry_points() if sgemm_at_avx2_width() else None
+    if points is None or not (
+        a.dtype == b.dtype == out_EMN.dtype == torch.float32 and out_EMN.dim() == 3 and out_EMN.stride(2) == 1
+    ):
+        return none
+    kernel = _kernel_for((a, b), out_EMN[0]) if out_EMN.shape[0] else None
+    if kernel is None:
+        return none
+    E, M, N = out_EMN.shape
+    outer_rows = SGEMM_AVX2_WEIGHT_GRAD_ROWS[1]
+    wide = N >= 64 * torch.get_num_threads()
+    done = [stop - start <= outer_rows or (wide and not add) for (_, start, stop), add in zip(blocks, accumulate)]
+    chosen = [(block, add) for block, add, d in zip(blocks, accumulate, done) if d]
+    if not chosen or a.shape[1] != M or b.shape[1] != N or a.shape[0] != b.shape[0]:
+        return none
+    _check_blocks("float32_weight_grad_blocks", [blk for blk, _ in chosen], a.shape[0], E, f"{tuple(a.shape)}, {tuple(b.shape)}")
+    # streaming stores as avx512_weight_grad_into chooses them, for every expert's gradient alike
+    stream = (
+        out_EMN[0].numel() >= _STREAM_ELEMENTS and out_EMN.data_ptr() % 64 == 0 and out_EMN.stride(1) % 16 == 0
+        and out_EMN.stride(0) % 16 == 0
+    )
+    _blocks_call(
+        points[1], [blk for blk, _ in chosen], [add for _, add in chosen], a.data_ptr(), a.stride(0), b.data_ptr(),
+        b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1), M, N, outer_rows, int(stream),
+        torch.get_num_threads(), *kernel[1],
+    )
+    return done
+
+
 # bf16 decode blocks where the CPU multiplies bf16 natively but has no AMX (AVX512-BF16: the
 # 2-core AMD EPYC of family 26, 2026-12-03). There grouped.py's bf16 layers compute in bf16, and
 # torch's bf16 GEMMs (oneDNN) read a weight behind a backward product of a few rows at 8–16 GB/s.

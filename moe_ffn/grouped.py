@@ -1158,10 +1158,11 @@ def _kernel_subset(blocks: list, most: int) -> list[bool]:
 
 
 def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> list[bool]:
-    """The blocks' input gradients g·w_e that a kernel wrote into `out` (AVX2: all or none, one
-    call; AVX512-BF16: the bf16 blocks of up to `_small_gemm.bf16_input_grad_max_rows` rows, one
-    call per kernel), as one flag per block; the caller computes the rest."""
-    if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks):
+    """The blocks' input gradients g·w_e that a kernel wrote into `out` (AVX2, or float32 on
+    AMD's AVX-512 CPUs: all or none, one call; AVX512-BF16: the bf16 blocks of up to
+    `_small_gemm.bf16_input_grad_max_rows` rows, one call per kernel), as one flag per block;
+    the caller computes the rest."""
+    if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks) or _small_gemm.float32_input_grad_blocks(out, g, w_EOI, blocks):
         return [True] * len(blocks)
     small = _kernel_subset(blocks, _small_gemm.bf16_input_grad_max_rows(w_EOI))
     if any(small) and _small_gemm.bf16_input_grad_blocks(out, g, w_EOI, [b for b, s in zip(blocks, small) if s]):
@@ -1170,11 +1171,15 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
 
 
 def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
-    """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (AVX512-BF16: bf16 blocks
+    """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (float32 on AMD's AVX-512
+    CPUs: the blocks `_small_gemm.float32_weight_grad_blocks` takes; AVX512-BF16: bf16 blocks
     of up to BF16_WEIGHT_GRAD_MAX_ROWS rows; `again`: the block adds to its expert's first
     piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
+    done = _small_gemm.float32_weight_grad_blocks(out_EMN, a, b, blocks, again)
+    if any(done):
+        return done
     fits = _kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS)
     small = [s and not add for s, add in zip(fits, again)]
     chosen = [block for block, s in zip(blocks, small) if s]

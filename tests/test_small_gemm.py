@@ -1449,7 +1449,8 @@ def test_linear_blocks_declines_what_it_does_not_take(monkeypatch):
 def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
     """On AVX-512 CPUs, blocks of 9–64 rows go to the AVX-512 forward kernel (one by one, or a
     group's blocks in one call of linear_blocks) and weight gradients of 16–96 rows to the
-    AVX-512 weight-gradient kernel (T = 40, top-2 of 4 experts: ~20 rows each); output and
+    AVX-512 weight-gradient kernel (one by one, or on AMD's a group's blocks in one call of
+    float32_weight_grad_blocks) (T = 40, top-2 of 4 experts: ~20 rows each); output and
     gradients against the float64 loop."""
     _needs_avx512_kernel()
     ran = {"linear": 0, "weight_grad": 0}
@@ -1467,6 +1468,13 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
         ran["weight_grad"] += done
         return done
 
+    weight_grad_blocks = _small_gemm.float32_weight_grad_blocks
+
+    def counted_weight_grad_blocks(*args):
+        done = weight_grad_blocks(*args)
+        ran["weight_grad"] += sum(done)
+        return done
+
     def counted_linear(*args):
         done = linear(*args)
         ran["linear"] += done
@@ -1474,6 +1482,7 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
     monkeypatch.setattr(_small_gemm, "avx512_linear_into", counted_linear)
     monkeypatch.setattr(_small_gemm, "avx512_weight_grad_into", counted_weight_grad)
     monkeypatch.setattr(_small_gemm, "linear_blocks", counted_blocks)
+    monkeypatch.setattr(_small_gemm, "float32_weight_grad_blocks", counted_weight_grad_blocks)
     _layer_against_float64(T=40)
     assert ran["linear"] >= 2 * 3 and ran["weight_grad"] >= 2 * 3  # both projections, (almost) every expert
 
@@ -1512,6 +1521,56 @@ def test_float32_forward_sends_its_small_blocks_in_one_call_and_the_rest_one_by_
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
     _per_block(monkeypatch)
     assert torch.equal(y, grouped.grouped_ffn(x, w1, w2, counts, activation="silu", gated=True))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_float32_backward_blocks_in_one_call_are_the_per_block_products(monkeypatch, streamed):
+    """The float32 blocks entry points of the backward (AMD's AVX-512 CPUs; here on any AVX-512
+    CPU): input gradients g·w_e and weight gradients aᵀ·b of blocks of 1 to 300 rows, some
+    adding to their expert's earlier piece, each bit for bit what the single-block kernel the
+    layer would call gives (`avx512_matmul_into`, `avx512_weight_grad_into` to 128 rows), and
+    within float32's bound of the float64 products; an accumulating block past 128 rows is left
+    to the caller, untouched."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    torch.manual_seed(21 + streamed)
+    E, O, I = 4, 72, 160
+    m, n = (512, 1024) if streamed else (40, 136)  # (2^19 elements: streaming stores)
+    spans = [(2, 0, 5), (0, 5, 40), (3, 40, 41), (1, 41, 300), (0, 300, 428), (2, 428, 560)]
+    rows = spans[-1][2]
+    g, w = torch.randn(rows, O), torch.randn(E, O, I)
+    out = torch.full((rows, I), float("nan"))
+    assert _small_gemm.float32_input_grad_blocks(out, g, w, spans)
+    for e, start, stop in spans:
+        want = torch.empty(stop - start, I)
+        assert _small_gemm.avx512_matmul_into(want, g[start:stop], w[e])
+        assert torch.equal(out[start:stop], want)
+        ref = g[start:stop].double() @ w[e].double()
+        bound = O * 2.0**-24 * (g[start:stop].double().abs() @ w[e].double().abs())
+        assert ((out[start:stop].double() - ref).abs() <= bound + 1e-30).all()
+    assert not _small_gemm.float32_input_grad_blocks(out, g, w[:, :, :100], spans)  # 50 columns a thread: declined
+
+    a, b = torch.randn(rows, m), torch.randn(rows, n)
+    again = [False, False, False, False, True, True]  # expert 0's second piece (128 rows) adds; expert 2's (132) cannot
+    grads = torch.randn(E, m, n)  # old contents, written over where a block does not add
+    before = grads.clone()
+    done = _small_gemm.float32_weight_grad_blocks(grads, a, b, spans, again)
+    assert done == [True, True, True, True, True, False]
+    want = before.clone()
+    for (e, start, stop), add, d in zip(spans, again, done):
+        if not d:
+            continue
+        a_t = a[start:stop].t()
+        if stop - start <= 128:
+            assert _small_gemm.avx512_weight_grad_into(want[e], a_t, b[start:stop], accumulate=add, limits=(1, 128))
+        else:
+            assert not add and _small_gemm.avx512_matmul_into(want[e], a_t, b[start:stop])
+    assert torch.equal(grads, want)  # (expert 2: its first piece only; the caller adds the second)
+    for e in range(E):
+        pieces = [(start, stop) for (x, start, stop), d in zip(spans, done) if x == e and d]
+        ref = sum(a[s:t].double().t() @ b[s:t].double() for s, t in pieces)
+        bound = sum((t - s) * 2.0**-24 * (a[s:t].double().abs().t() @ b[s:t].double().abs()) for s, t in pieces)
+        assert ((grads[e].double() - ref).abs() <= bound * 2 + 1e-30).all(), e
 
 
 @pytest.mark.parametrize("T", [12, 80])
@@ -1566,16 +1625,23 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
     _needs_kernel()
     from moe_ffn import _memory, grouped
 
+    ran = []
     if kernel == "avx2":
         monkeypatch.setattr(_small_gemm, "avx512_weight_grad_into", lambda *args, **kwargs: False)
         name = "weight_grad_into"
     else:
         _needs_avx512_kernel()
         name = "avx512_weight_grad_into"
+        blocks_f32 = _small_gemm.float32_weight_grad_blocks  # (AMD's: a group's blocks in one call)
+
+        def counted_blocks(*args):
+            done = blocks_f32(*args)
+            ran.extend(d for d in done if d)
+            return done
+        monkeypatch.setattr(_small_gemm, "float32_weight_grad_blocks", counted_blocks)
     monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: True)
     monkeypatch.setattr(_memory, "_MIN_BYTES", 0)
     monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
-    ran = []
     real = getattr(_small_gemm, name)
     monkeypatch.setattr(_small_gemm, name, lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
     if kernel == "avx2":  # (the blocks of a group in one call: each block's product counted)
