@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow profile bench clean
+.PHONY: test test-slow test-avx2 profile bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): $(PY) pyproject.toml moe_ffn/_small_gemm.cpp moe_ffn/_amx.cpp moe_ffn/
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the suite as on a CPU that torch runs at AVX2 only, on any x86 CPU (see tests/avx2_machine.py)
+test-avx2: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=tests $(PY) -m pytest -q -p avx2_machine
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow"

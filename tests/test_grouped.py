@@ -103,15 +103,21 @@ def test_routed_ffn_matches_per_token_loop(activation, gated, bias):
     assert (got[3][-2:] == 0).all()  # dropped rows: no output, no weight gradient
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routed_sums_token_by_token_are_the_group_by_group_sums(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype, upcast", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-upcast"]
+)
+def test_routed_sums_token_by_token_are_the_group_by_group_sums(monkeypatch, dtype, upcast):
     """The routed forward's weighted sum over each token's slots and the backward's sum of x's
     gradient over them, token by token once all slot rows are made (`_small_gemm.slot_sum_rows`):
     bit for bit the sums added group by group (the rows' kept size capped to nothing), which are
     within rounding of the float64 loop over tokens and slots; dropped rows add nothing, a
-    token without rows gets 0 and a zero gradient."""
+    token without rows gets 0 and a zero gradient. A bf16 layer multiplied in float32 (CPUs
+    without bf16 units, `grouped._lowp_is_slow`; forced either way here) sums its forward token
+    by token too, but its backward group by group: the gradient's slot rows come out in
+    float32 there, not in x's dtype."""
     if not _small_gemm.slot_sums_fit(torch.ones(1), dtype, torch.ones(1)):
         pytest.skip("moe_ffn's CPU kernel is not built here")
+    monkeypatch.setattr(grouped, "_lowp_is_slow", lambda t: upcast and t.dtype == torch.bfloat16)
     calls = []
     for name in ("slot_sum_rows", "scatter_add_rows"):
         real = getattr(_small_gemm, name)
@@ -135,7 +141,7 @@ def test_routed_sums_token_by_token_are_the_group_by_group_sums(monkeypatch, dty
         return out.detach(), x_.grad
 
     out, grad = run()
-    assert calls == ["slot_sum_rows"] * 2
+    assert calls == ["slot_sum_rows", "scatter_add_rows" if upcast else "slot_sum_rows"]
     monkeypatch.setattr(grouped, "_SLOT_ROWS_MAX_BYTES", 0)
     calls.clear()
     grouped_out, grouped_grad = run()
@@ -826,9 +832,13 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
     sgemm runs at AVX2 width on an AVX-512 CPU (_small_gemm.sgemm_at_avx2_width, forced here),
     to the BLAS elsewhere (forced off): the 520-row block's two projections, not the others'
     (in oneDNN's row parts: its first 512 rows in one product); the float64 loop's outputs and
-    gradients come out either way."""
+    gradients come out either way. sgemm at AVX2 width is a state of CPUs that torch runs at
+    AVX-512 only: where it runs at AVX2, moe_ffn's AVX2 kernel takes these blocks first and
+    its AVX-512 ones cannot run, so the forced state does not exist there."""
     if not grouped._onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
+    if avx2_width and not _small_gemm._torch_on_avx512():
+        pytest.skip("torch runs at AVX2 here: sgemm at AVX2 width on an AVX-512 CPU cannot be forced")
     monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: avx2_width)
     rows = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -889,14 +899,20 @@ def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only):
         torch.testing.assert_close(a.double(), r, atol=3e-2 * float(r.abs().max()), rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype, upcast", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)], ids=["bf16", "bf16-upcast", "fp32"]
+)
+def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch, dtype, upcast):
     """The forward's float32 sum over each token's slots and the backward's input gradient sum
     are temporaries where the result is cast from them (bf16 layers): scratch memory, reused
     step after step; where the sum is the result itself (float32) it is fresh memory, never
     the pool's; where the forward and the backward sum token by token
     (`_small_gemm.slot_sum_rows`), each token's float32 sum is rounded into the bf16 result
-    itself and neither needs one. The results match the float32 op either way."""
+    itself and neither needs one. A bf16 layer multiplied in float32 (`grouped._lowp_is_slow`,
+    forced either way here) sums its backward group by group (see
+    test_routed_sums_token_by_token_are_the_group_by_group_sums), into one such temporary.
+    The results match the float32 op either way."""
+    monkeypatch.setattr(grouped, "_lowp_is_slow", lambda t: upcast and t.dtype == torch.bfloat16)
     calls = []
     real = grouped._memory.scratch
     monkeypatch.setattr(
@@ -912,8 +928,11 @@ def test_token_sums_live_on_scratch_memory_only_where_they_are_cast(monkeypatch,
     y = routed_ffn(x, w1, w2, counts, token_N, weight_N, activation="silu", gated=True)
     y.backward(torch.ones_like(y))
     sums = [c for c in calls if c == ((T, D), torch.float32)]
-    by_token = _small_gemm.slot_sums_fit(x, dtype)
-    assert len(sums) == ((0 if by_token else 2) if dtype == torch.bfloat16 else 0)
+    by_token = _small_gemm.slot_sums_fit(x, dtype)  # the forward; the backward where not upcast
+    if dtype == torch.bfloat16:
+        assert len(sums) == (0 if by_token else 1) + (0 if by_token and not upcast else 1)
+    else:
+        assert sums == []
     x32 = x.detach().float().requires_grad_()
     y32 = routed_ffn(x32, w1.float(), w2.float(), counts, token_N, weight_N, activation="silu", gated=True)
     y32.backward(torch.ones_like(y32))
