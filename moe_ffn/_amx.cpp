@@ -690,6 +690,34 @@ extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t
                 make_team(parallel, thread_num, num_threads));
 }
 
+// The same, bf16 y only, for a grouped product's row blocks in one call, each through its
+// expert's weight (w + e·w_expert): blocks holds count entries (e, start, stop, unused), as
+// _small_gemm.cpp's *_blocks entry points take them, and each block's sums are the ones
+// moe_ffn_amx_linear forms for it. The Python around a call per block cost ~20–35 µs a block
+// (the first tensor ops after a kernel call run several times slower than the next ones).
+// Returns 0, or -1 with nothing run where an entry does not fit (e outside the experts, no
+// rows) or the shapes are not taken.
+extern "C" int moe_ffn_amx_linear_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t experts,
+                                         int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
+                                         const int64_t* blocks, int64_t count, int64_t out_features,
+                                         int64_t in_features, int threads, void* parallel, void* thread_num,
+                                         void* num_threads) {
+  if (!ready() || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 || threads < 1)
+    return -1;
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t* entry = blocks + 4 * b;
+    if (entry[0] < 0 || entry[0] >= experts || entry[1] < 0 || entry[2] <= entry[1]) return -1;
+  }
+  const Team team = make_team(parallel, thread_num, num_threads);
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t e = blocks[4 * b], start = blocks[4 * b + 1], rows = blocks[4 * b + 2] - start;
+    const int status = linear(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows,
+                              out_features, in_features, threads, team);
+    if (status != 0) return status;
+  }
+  return 0;
+}
+
 // y = g·w for bf16 g [rows, O] and w [O, I] into y [rows, I]; O and I multiples of 32.
 extern "C" int moe_ffn_amx_input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, void* y,
                                       int64_t ldy, int y_f32, int64_t rows, int64_t out_features, int64_t in_features,

@@ -44,6 +44,7 @@ chunk of an interleaved weight: up to a few MiB) from call to call, freed when t
 
 from __future__ import annotations
 
+import array
 import functools
 from typing import Optional
 
@@ -156,6 +157,44 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     status = _entry_points()[1](
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), out.stride(0), 0,
         rows, O, I, torch.get_num_threads(), *openmp,
+    )
+    return status == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks_entry_point():
+    """moe_ffn_amx_linear_blocks with its argument types, or None (as `_entry_points`)."""
+    import ctypes
+
+    if _entry_points() is None:
+        return None
+    fn = getattr(_small_gemm.library(), "moe_ffn_amx_linear_blocks", None)
+    if fn is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    fn.restype = c_int
+    return fn
+
+
+def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
+    each block's sums the ones `linear_into` forms for it; returns whether it ran (when False,
+    `out` is untouched): bf16 x, w_EOI and out, every block of 1 to FORWARD_MAX_ROWS rows."""
+    if not (blocks and w_EOI.dim() == 3 and _bf16(x, w_EOI, out) and w_EOI.stride(2) == 1):
+        return False
+    E, O, I = w_EOI.shape
+    if not (takes_forward((O, I)) and all(0 < stop - start <= FORWARD_MAX_ROWS for _, start, stop in blocks)):
+        return False
+    fn, openmp = _blocks_entry_point(), _openmp((x,), out)
+    if fn is None or openmp is None:
+        return False
+    if x.shape[1] != I or out.shape[1] != O or not all(0 <= e < E and stop <= min(x.shape[0], out.shape[0]) for e, _, stop in blocks):
+        raise ValueError(f"amx.linear_blocks: x {tuple(x.shape)}, w {tuple(w_EOI.shape)}, out {tuple(out.shape)} and blocks {blocks} do not fit")
+    table = array.array("q", [v for e, start, stop in blocks for v in (e, start, stop, 0)])
+    status = fn(
+        x.data_ptr(), x.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0),
+        table.buffer_info()[0], len(blocks), O, I, torch.get_num_threads(), *openmp,
     )
     return status == 0
 

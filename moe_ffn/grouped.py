@@ -1045,7 +1045,12 @@ def _forward_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor
     0.97× (its blocks past 40 rows from T = 256: the same calls); forward+backward fine-grained
     T = 16 / 64 / 256 1.00 / 1.06 / 1.04×."""
     rest = blocks
-    if b_EO is None:
+    if b_EO is None and cdt == x.dtype == out.dtype == torch.bfloat16:
+        # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_linear_blocks)
+        fits = [blk for blk in blocks if blk[2] - blk[1] <= _amx.FORWARD_MAX_ROWS]
+        if fits and _amx.linear_blocks(out, x, w_EOI, fits):
+            rest = [blk for blk in blocks if blk[2] - blk[1] > _amx.FORWARD_MAX_ROWS]
+    if b_EO is None and rest is blocks:
         if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out) is not None:
             return
         most = _small_gemm.float32_blocks_max_rows(x)

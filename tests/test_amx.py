@@ -86,6 +86,37 @@ def test_forward_matches_float64(rows, shape):
     assert _untouched(wide, O)
 
 
+def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
+    """linear_blocks: every block through its expert's weight, bit for bit what linear_into
+    makes of it alone, rows between the blocks and the other columns untouched; it declines
+    (nothing written) a block past FORWARD_MAX_ROWS or a float32 operand, and raises on an
+    expert or rows outside the tensors."""
+    _needs_amx()
+    torch.manual_seed(4)
+    E, O, I, N = 5, 48, 64, 420
+    w = torch.randn(E, O, I + 32, dtype=bf16)[:, :, 16 : I + 16]  # strided rows, experts apart
+    x = _strided(N, I)
+    blocks = [(3, 0, 7), (0, 7, 40), (4, 52, 53), (3, 53, 53 + _amx.FORWARD_MAX_ROWS - 1)]
+    out, wide = _margins(N, O)
+    assert _amx.linear_blocks(out, x, w, blocks)
+    for e, start, stop in blocks:
+        one = torch.empty(stop - start, O, dtype=bf16)
+        assert _amx.linear_into(one, x[start:stop], w[e])
+        assert torch.equal(out[start:stop], one)
+        assert _within_bf16_of(out[start:stop], x[start:stop], w[e].t(), I)
+    assert out[40:52].isnan().all() and out[53 + _amx.FORWARD_MAX_ROWS - 1 :].isnan().all()
+    assert _untouched(wide, O)
+    fresh, _ = _margins(N, O)
+    too_many = [(0, 0, 4), (1, 4, 4 + _amx.FORWARD_MAX_ROWS + 1)]
+    assert not _amx.linear_blocks(fresh, x, w, too_many)
+    assert not _amx.linear_blocks(fresh, x.float(), w, blocks[:1])
+    assert fresh.isnan().all()
+    with pytest.raises(ValueError, match="linear_blocks"):
+        _amx.linear_blocks(fresh, x, w, [(E, 0, 4)])
+    with pytest.raises(ValueError, match="linear_blocks"):
+        _amx.linear_blocks(fresh, x, w, [(0, N - 2, N + 2)])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS, _amx.INPUT_GRAD_SMALL_WEIGHT[0]])
 @pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (1024, 1024), (2048, 2048)])
 def test_input_grad_matches_float64(rows, shape):
@@ -329,6 +360,14 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
         return run
 
     monkeypatch.setattr(_amx, "linear_into", counted("linear"))
+    real_blocks = _amx.linear_blocks
+
+    def blocks_counted(out, x, w, blocks):  # (the forward's blocks of a group, in one call)
+        done = real_blocks(out, x, w, blocks)
+        ran["linear"] += len(blocks) if done else 0
+        return done
+
+    monkeypatch.setattr(_amx, "linear_blocks", blocks_counted)
     monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
     monkeypatch.setattr(_amx, "weight_grad_into", counted("weight_grad"))
     torch.manual_seed(T)
