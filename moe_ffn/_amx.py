@@ -162,19 +162,28 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _blocks_entry_point():
-    """moe_ffn_amx_linear_blocks with its argument types, or None (as `_entry_points`)."""
+def _blocks_entry_point(name: str):
+    """moe_ffn_amx_{name}_blocks with its argument types, or None (as `_entry_points`)."""
     import ctypes
 
     if _entry_points() is None:
         return None
-    fn = getattr(_small_gemm.library(), "moe_ffn_amx_linear_blocks", None)
+    fn = getattr(_small_gemm.library(), f"moe_ffn_amx_{name}_blocks", None)
     if fn is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    if name == "weight_grad":  # (a, lda, b, ldb, c, experts, c_expert, ldc, ...)
+        head = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+    else:  # (x, ldx, w, experts, w_expert, ldw, y, ldy, ...)
+        head = [ptr, i64, ptr, i64, i64, i64, ptr, i64]
+    fn.argtypes = head + [ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
     fn.restype = c_int
     return fn
+
+
+def _run_blocks(name: str, fn, openmp, head: tuple, blocks, flags, dims: tuple[int, int]) -> bool:
+    table = array.array("q", [v for (e, start, stop), flag in zip(blocks, flags) for v in (e, start, stop, int(flag))])
+    return fn(*head, table.buffer_info()[0], len(blocks), *dims, torch.get_num_threads(), *openmp) == 0
 
 
 def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
@@ -186,17 +195,62 @@ def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int,
     E, O, I = w_EOI.shape
     if not (takes_forward((O, I)) and all(0 < stop - start <= FORWARD_MAX_ROWS for _, start, stop in blocks)):
         return False
-    fn, openmp = _blocks_entry_point(), _openmp((x,), out)
+    fn, openmp = _blocks_entry_point("linear"), _openmp((x,), out)
     if fn is None or openmp is None:
         return False
-    if x.shape[1] != I or out.shape[1] != O or not all(0 <= e < E and stop <= min(x.shape[0], out.shape[0]) for e, _, stop in blocks):
-        raise ValueError(f"amx.linear_blocks: x {tuple(x.shape)}, w {tuple(w_EOI.shape)}, out {tuple(out.shape)} and blocks {blocks} do not fit")
-    table = array.array("q", [v for e, start, stop in blocks for v in (e, start, stop, 0)])
-    status = fn(
-        x.data_ptr(), x.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0),
-        table.buffer_info()[0], len(blocks), O, I, torch.get_num_threads(), *openmp,
-    )
-    return status == 0
+    _check_blocks("linear_blocks", x, out, E, blocks, x.shape[1] == I and out.shape[1] == O, w_EOI)
+    head = (x.data_ptr(), x.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0))
+    return _run_blocks("linear", fn, openmp, head, blocks, [0] * len(blocks), (O, I))
+
+
+def input_grad_max_rows(w_OI_shape: tuple[int, int]) -> int:
+    """The most rows of a block whose input gradient `input_grad` takes through a weight [O, I]."""
+    O, I = w_OI_shape
+    return INPUT_GRAD_SMALL_WEIGHT[0] if O * I <= INPUT_GRAD_SMALL_WEIGHT[1] else INPUT_GRAD_MAX_ROWS
+
+
+def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """out[start:stop] = g[start:stop]·w_EOI[e] for every block, in one call, each block's sums
+    the ones `input_grad` forms for it; returns whether it ran (`out` untouched otherwise): bf16
+    g, w_EOI and out, every block of 1 to `input_grad_max_rows` rows."""
+    if not (blocks and w_EOI.dim() == 3 and _bf16(g, w_EOI, out) and w_EOI.stride(2) == 1):
+        return False
+    E, O, I = w_EOI.shape
+    most = input_grad_max_rows((O, I))
+    if not (O > 0 and O % 32 == 0 and I > 0 and I % 32 == 0 and all(0 < stop - start <= most for _, start, stop in blocks)):
+        return False
+    fn, openmp = _blocks_entry_point("input_grad"), _openmp((g,), out)
+    if fn is None or openmp is None:
+        return False
+    _check_blocks("input_grad_blocks", g, out, E, blocks, g.shape[1] == O and out.shape[1] == I, w_EOI)
+    head = (g.data_ptr(), g.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0))
+    return _run_blocks("input_grad", fn, openmp, head, blocks, [0] * len(blocks), (O, I))
+
+
+def weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], again: list[bool]) -> bool:
+    """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block, added to what out_EMN[e] holds
+    where `again` says so, in one call, each as `weight_grad_into` forms it; returns whether it
+    ran (`out_EMN` untouched otherwise): bf16 a [rows, M], b [rows, N] and out_EMN, every block
+    of 1 to WEIGHT_GRAD_MAX_ROWS rows."""
+    if not (blocks and out_EMN.dim() == 3 and _bf16(a, b, out_EMN) and out_EMN.stride(2) == 1):
+        return False
+    E, M, N = out_EMN.shape
+    if not (M > 0 and M % 16 == 0 and N > 0 and N % 32 == 0 and all(0 < stop - start <= WEIGHT_GRAD_MAX_ROWS for _, start, stop in blocks)):
+        return False
+    fn, openmp = _blocks_entry_point("weight_grad"), _openmp((a, b), None)
+    if fn is None or openmp is None or out_EMN.stride(1) < N:
+        return False
+    _check_blocks("weight_grad_blocks", a, b, E, blocks, a.shape[1] == M and b.shape[1] == N, out_EMN)
+    head = (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1))
+    return _run_blocks("weight_grad", fn, openmp, head, blocks, again, (M, N))
+
+
+def _check_blocks(name: str, src: Tensor, dst: Tensor, experts: int, blocks, dims_fit: bool, w: Tensor) -> None:
+    rows = min(src.shape[0], dst.shape[0])
+    if not dims_fit or not all(0 <= e < experts and stop <= rows for e, _, stop in blocks):
+        raise ValueError(
+            f"amx.{name}: {tuple(src.shape)}, {tuple(w.shape)}, {tuple(dst.shape)} and blocks {blocks} do not fit"
+        )
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:

@@ -1169,6 +1169,10 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
     the caller computes the rest."""
     if _small_gemm.input_grad_blocks(out, g, w_EOI, blocks) or _small_gemm.float32_input_grad_blocks(out, g, w_EOI, blocks):
         return [True] * len(blocks)
+    if g.dtype == torch.bfloat16:  # AMX CPUs: the blocks `_amx.input_grad` takes, in one call
+        fits = _kernel_subset(blocks, _amx.input_grad_max_rows(tuple(w_EOI.shape[1:])))
+        if any(fits) and _amx.input_grad_blocks(out, g, w_EOI, [b for b, f in zip(blocks, fits) if f]):
+            return fits
     small = _kernel_subset(blocks, _small_gemm.bf16_input_grad_max_rows(w_EOI))
     if any(small) and _small_gemm.bf16_input_grad_blocks(out, g, w_EOI, [b for b, s in zip(blocks, small) if s]):
         return small
@@ -1182,6 +1186,14 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
     piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
+    if a.dtype == torch.bfloat16:
+        # AMX CPUs: the blocks `_amx.weight_grad_into` takes, in one call, but not those of an
+        # expert with a block it does not take (which may hold the first piece they add to)
+        big = {e for e, start, stop in blocks if stop - start > _amx.WEIGHT_GRAD_MAX_ROWS}
+        fits = [e not in big for e, _, _ in blocks]
+        chosen = [(blk, add) for blk, add, f in zip(blocks, again, fits) if f]
+        if chosen and _amx.weight_grad_blocks(out_EMN, a, b, [blk for blk, _ in chosen], [add for _, add in chosen]):
+            return fits
     done = _small_gemm.float32_weight_grad_blocks(out_EMN, a, b, blocks, again)
     if any(done):
         return done

@@ -117,6 +117,48 @@ def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
         _amx.linear_blocks(fresh, x, w, [(0, N - 2, N + 2)])
 
 
+def test_backward_blocks_in_one_call_are_the_blocks_one_by_one():
+    """input_grad_blocks and weight_grad_blocks: each block bit for bit what input_grad and
+    weight_grad_into make of it alone, within the float64 bound; a weight gradient's second
+    block of an expert added to its first where its flag says so (a dropped flag is caught:
+    the first piece would be overwritten); other rows and experts untouched; blocks past the
+    limits declined with nothing written."""
+    _needs_amx()
+    torch.manual_seed(8)
+    E, O, I, N = 4, 64, 96, 300
+    w = torch.randn(E, O, I + 32, dtype=bf16)[:, :, 8 : I + 8]
+    g = _strided(N, O)
+    blocks = [(2, 0, 9), (0, 9, 100), (2, 130, 131), (3, 131, 131 + _amx.INPUT_GRAD_MAX_ROWS)]
+    out, wide = _margins(N, I)
+    assert _amx.input_grad_blocks(out, g, w, blocks)
+    for e, start, stop in blocks:
+        one = _amx.input_grad(g[start:stop], w[e].t())
+        assert one is not None and torch.equal(out[start:stop], one)
+        assert _within_bf16_of(out[start:stop], g[start:stop], w[e], O)
+    assert out[100:130].isnan().all() and _untouched(wide, I)
+    fresh, _ = _margins(N, I)
+    assert not _amx.input_grad_blocks(fresh, g, w, [(0, 0, _amx.input_grad_max_rows((O, I)) + 1)])
+    assert fresh.isnan().all()
+
+    x = _strided(N, I)  # weight gradients: gᵀ·x per block, expert 2 twice (added the second time)
+    again = [False, False, True, False]
+    grad = torch.full((E + 1, O, I), float("nan"), dtype=bf16)[:E]
+    assert _amx.weight_grad_blocks(grad, g, x, blocks, again)
+    want = torch.full((E, O, I), float("nan"), dtype=bf16)
+    for (e, start, stop), add in zip(blocks, again):
+        assert _amx.weight_grad_into(want[e], g[start:stop].t(), x[start:stop], accumulate=add)
+    assert torch.equal(grad[[0, 2, 3]], want[[0, 2, 3]]) and grad[1].isnan().all()
+    # expert 2: its first piece rounded to bf16, then the sum with the second rounded again
+    first = g[0:9].double().t() @ x[0:9].double()
+    exact = first + g[130:131].double().t() @ x[130:131].double()
+    bound = U16 * (first.abs() + exact.abs()) * (1 + 1e-3) + 12 * U32 * (g[0:9].double().abs().t() @ x[0:9].double().abs())
+    assert ((grad[2].double() - exact).abs() <= bound + U16 * bound).all()
+    dropped = torch.zeros(E, O, I, dtype=bf16)
+    assert _amx.weight_grad_blocks(dropped, g, x, blocks, [False] * 4)
+    assert not torch.equal(dropped[2], grad[2])
+    assert not _amx.weight_grad_blocks(dropped, g, x, [(0, 0, _amx.WEIGHT_GRAD_MAX_ROWS + 1)], [False])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS, _amx.INPUT_GRAD_SMALL_WEIGHT[0]])
 @pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (1024, 1024), (2048, 2048)])
 def test_input_grad_matches_float64(rows, shape):
@@ -360,14 +402,18 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
         return run
 
     monkeypatch.setattr(_amx, "linear_into", counted("linear"))
-    real_blocks = _amx.linear_blocks
+    def blocks_counted(name, fn):  # (a group's blocks in one call)
+        real_blocks = getattr(_amx, fn)
 
-    def blocks_counted(out, x, w, blocks):  # (the forward's blocks of a group, in one call)
-        done = real_blocks(out, x, w, blocks)
-        ran["linear"] += len(blocks) if done else 0
-        return done
+        def run(out, a, b, blocks, *rest):
+            done = real_blocks(out, a, b, blocks, *rest)
+            ran[name] += len(blocks) if done else 0
+            return done
+        monkeypatch.setattr(_amx, fn, run)
 
-    monkeypatch.setattr(_amx, "linear_blocks", blocks_counted)
+    blocks_counted("linear", "linear_blocks")
+    blocks_counted("input_grad", "input_grad_blocks")
+    blocks_counted("weight_grad", "weight_grad_blocks")
     monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
     monkeypatch.setattr(_amx, "weight_grad_into", counted("weight_grad"))
     torch.manual_seed(T)
