@@ -849,12 +849,36 @@ def _float32_blocks_entry_points():
 # `avx512_weight_grad_into` (to SGEMM_AVX2_WEIGHT_GRAD_ROWS rows) or, past those rows and not
 # accumulating, to `avx512_matmul_into`: a group's blocks in one call each (`_avx512.cpp`, the
 # same sums block by block), where the layer made one call per block from Python.
+# Where MKL's sgemm runs its AVX-512 code (Intel's CPUs), the float32 blocks entry points below
+# take a group's products only where they are small: every block of at most this many rows,
+# through expert weights of at most this many elements (the fine-grained shape's, not
+# Mixtral's). The 2-core Xeon with AVX-512 and AMX (2026-12-04, both entry points against the
+# per-block choices above, interleaved A/B in one process, pair-ratio medians of 5–7 rounds),
+# fp32 forward+backward: fine-grained T = 16 / 256 (blocks of ~2 / ~32 rows) 1.12× / 1.11×
+# (input gradients alone 1.07×, weight gradients alone 1.05× at T = 256), but T = 2048
+# (~256 rows) 0.93×, Mixtral T = 16 / 256 / 2048 0.87× / 0.97× / 0.81×.
+INTEL_FLOAT32_BLOCKS = (64, 1 << 20)
+
+
+def _float32_blocks_here(blocks: list[tuple[int, int, int]], weight_elements: int) -> bool:
+    """Whether the float32 blocks entry points take these blocks here (see above)."""
+    if sgemm_at_avx2_width():
+        return True
+    most_rows, most_elements = INTEL_FLOAT32_BLOCKS
+    return (
+        _torch_on_avx512() and not _vendor_is_amd() and weight_elements <= most_elements
+        and all(stop - start <= most_rows for _, start, stop in blocks)
+    )
+
+
 def float32_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block, in one call, each block as
     `avx512_matmul_into` computes it; returns whether it ran (when False, `out` is untouched):
-    float32 g, w_EOI [E, O, I] (contiguous rows) and out, where MKL's sgemm runs its AVX2 code,
-    with I ≥ 64 a thread (the kernel's threads split the columns)."""
-    points = _float32_blocks_entry_points() if sgemm_at_avx2_width() else None
+    float32 g, w_EOI [E, O, I] (contiguous rows) and out, where MKL's sgemm runs its AVX2 code
+    or the blocks are small (`INTEL_FLOAT32_BLOCKS`), with I ≥ 64 a thread (the kernel's
+    threads split the columns)."""
+    here = w_EOI.dim() == 3 and _float32_blocks_here(blocks, w_EOI.shape[1] * w_EOI.shape[2])
+    points = _float32_blocks_entry_points() if here else None
     if points is None or not (
         g.dtype == w_EOI.dtype == out.dtype == torch.float32 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
         and w_EOI.shape[2] >= 64 * torch.get_num_threads() and blocks
@@ -872,11 +896,13 @@ def float32_weight_grad_blocks(
 ) -> list[bool]:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] (added to where the block's `accumulate` is
     set) for the blocks the single-block kernels would take (see above: blocks past
-    SGEMM_AVX2_WEIGHT_GRAD_ROWS rows only where not accumulating and n ≥ 64 a thread), in one
+    SGEMM_AVX2_WEIGHT_GRAD_ROWS rows only where not accumulating and n ≥ 64 a thread; on
+    Intel's CPUs small groups only, `INTEL_FLOAT32_BLOCKS`), in one
     call: which blocks it computed (none: `out_EMN` untouched). float32 a [rows, m], b [rows, n]
     and out_EMN [E, m, n] (contiguous rows)."""
     none = [False] * len(blocks)
-    points = _float32_blocks_entry_points() if sgemm_at_avx2_width() else None
+    here = out_EMN.dim() == 3 and _float32_blocks_here(blocks, out_EMN.shape[1] * out_EMN.shape[2])
+    points = _float32_blocks_entry_points() if here else None
     if points is None or not (
         a.dtype == b.dtype == out_EMN.dtype == torch.float32 and out_EMN.dim() == 3 and out_EMN.stride(2) == 1
     ):

@@ -1523,6 +1523,46 @@ def test_float32_forward_sends_its_small_blocks_in_one_call_and_the_rest_one_by_
     assert torch.equal(y, grouped.grouped_ffn(x, w1, w2, counts, activation="silu", gated=True))
 
 
+def test_float32_backward_blocks_on_intel_take_small_groups_only(monkeypatch):
+    """Where MKL's sgemm runs its AVX-512 code (Intel's CPUs; that state forced here), the
+    float32 blocks entry points take a group only where every block has at most
+    INTEL_FLOAT32_BLOCKS[0] rows through an expert weight of at most INTEL_FLOAT32_BLOCKS[1]
+    elements, within float32's bound of the float64 products; otherwise they decline, nothing
+    written."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: False)
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: False)
+    most_rows, most_elements = _small_gemm.INTEL_FLOAT32_BLOCKS
+    torch.manual_seed(23)
+    E, O, I = 3, 64, 128
+    small = [(2, 0, 5), (0, 5, 5 + most_rows)]
+    rows = small[-1][2] + 1
+    g, w = torch.randn(rows, O), torch.randn(E, O, I)
+    out = torch.full((rows, I), float("nan"))
+    assert _small_gemm.float32_input_grad_blocks(out, g, w, small)
+    for e, start, stop in small:
+        ref = g[start:stop].double() @ w[e].double()
+        bound = O * 2.0**-24 * (g[start:stop].double().abs() @ w[e].double().abs())
+        assert ((out[start:stop].double() - ref).abs() <= bound + 1e-30).all()
+    a, b = torch.randn(rows, 32), torch.randn(rows, 48)
+    grads = torch.full((E, 32, 48), float("nan"))
+    assert _small_gemm.float32_weight_grad_blocks(grads, a, b, small, [False, False]) == [True, True]
+    for e, start, stop in small:
+        ref = a[start:stop].double().t() @ b[start:stop].double()
+        bound = (stop - start) * 2.0**-24 * (a[start:stop].double().abs().t() @ b[start:stop].double().abs())
+        assert ((grads[e].double() - ref).abs() <= bound + 1e-30).all()
+    too_long = [(2, 0, 5), (0, 5, 6 + most_rows)]
+    fresh = torch.full((rows, I), float("nan"))
+    fresh_grads = torch.full((E, 32, 48), float("nan"))
+    assert not _small_gemm.float32_input_grad_blocks(fresh, g, w, too_long)
+    assert _small_gemm.float32_weight_grad_blocks(fresh_grads, a, b, too_long, [False, False]) == [False, False]
+    monkeypatch.setattr(_small_gemm, "INTEL_FLOAT32_BLOCKS", (most_rows, O * I - 1))  # the weight too large
+    assert not _small_gemm.float32_input_grad_blocks(fresh, g, w, small)
+    monkeypatch.setattr(_small_gemm, "INTEL_FLOAT32_BLOCKS", (most_rows, 32 * 48 - 1))
+    assert _small_gemm.float32_weight_grad_blocks(fresh_grads, a, b, small, [False, False]) == [False, False]
+    assert fresh.isnan().all() and fresh_grads.isnan().all()
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_float32_backward_blocks_in_one_call_are_the_per_block_products(monkeypatch, streamed):
     """The float32 blocks entry points of the backward (AMD's AVX-512 CPUs; here on any AVX-512
