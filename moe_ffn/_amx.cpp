@@ -50,6 +50,7 @@
 
 #include "_team.h"
 
+using moe_ffn_team::each_block;
 using moe_ffn_team::make_team;
 using moe_ffn_team::on_team;
 using moe_ffn_team::share;
@@ -690,79 +691,52 @@ extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t
                 make_team(parallel, thread_num, num_threads));
 }
 
-// Whether every (e, start, stop, flag) entry of a *_blocks call names an expert and some rows.
-static bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts) {
-  for (int64_t b = 0; b < count; ++b) {
-    const int64_t* entry = blocks + 4 * b;
-    if (entry[0] < 0 || entry[0] >= experts || entry[1] < 0 || entry[2] <= entry[1]) return false;
-  }
-  return true;
-}
+// The *_blocks entry points below run a grouped product's row blocks in one call, each through
+// its expert's weight: `blocks` holds count entries (e, start, stop, flag), as _small_gemm.cpp's
+// *_blocks entry points take them, and each block's sums are the ones the single-block entry
+// point forms for it. The Python around a call per block cost ~20–35 µs a block (the first
+// tensor ops after a kernel call run several times slower than the next ones). They return 0,
+// or -1 with nothing run where an entry does not fit (moe_ffn_team::each_block; every block
+// needs a row) or the shapes are not taken (the first block's product declines before it
+// writes).
 
-// The same, bf16 y only, for a grouped product's row blocks in one call, each through its
-// expert's weight (w + e·w_expert): blocks holds count entries (e, start, stop, unused), as
-// _small_gemm.cpp's *_blocks entry points take them, and each block's sums are the ones
-// moe_ffn_amx_linear forms for it. The Python around a call per block cost ~20–35 µs a block
-// (the first tensor ops after a kernel call run several times slower than the next ones).
-// Returns 0, or -1 with nothing run where an entry does not fit (e outside the experts, no
-// rows) or the shapes are not taken.
+// Forward blocks: y[start:stop] = x[start:stop]·w_eᵀ, w_e = w + e·w_expert, bf16 y.
 extern "C" int moe_ffn_amx_linear_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t experts,
                                          int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
                                          const int64_t* blocks, int64_t count, int64_t out_features,
                                          int64_t in_features, int threads, void* parallel, void* thread_num,
                                          void* num_threads) {
-  if (!ready() || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 || threads < 1)
-    return -1;
-  if (!blocks_fit(blocks, count, experts)) return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  for (int64_t b = 0; b < count; ++b) {
-    const int64_t e = blocks[4 * b], start = blocks[4 * b + 1], rows = blocks[4 * b + 2] - start;
-    const int status = linear(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows,
-                              out_features, in_features, threads, team);
-    if (status != 0) return status;
-  }
-  return 0;
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    return linear(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows, out_features,
+                  in_features, threads, team);
+  }, 1);
 }
 
-// The input gradients of a grouped product's row blocks in one call, as moe_ffn_amx_linear_blocks
-// runs the forward: y[start:stop] = g[start:stop]·w_e, bf16 y, each block's sums the ones
-// moe_ffn_amx_input_grad forms for it.
+// Input gradient blocks: y[start:stop] = g[start:stop]·w_e, bf16 y.
 extern "C" int moe_ffn_amx_input_grad_blocks(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t experts,
                                              int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
                                              const int64_t* blocks, int64_t count, int64_t out_features,
                                              int64_t in_features, int threads, void* parallel, void* thread_num,
                                              void* num_threads) {
-  if (!ready() || out_features < 32 || out_features % 32 || in_features < 32 || in_features % 32 || threads < 1 ||
-      !blocks_fit(blocks, count, experts))
-    return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  for (int64_t b = 0; b < count; ++b) {
-    const int64_t e = blocks[4 * b], start = blocks[4 * b + 1], rows = blocks[4 * b + 2] - start;
-    const int status = input_grad(g + start * ldg, ldg, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows,
-                                  out_features, in_features, threads, team);
-    if (status != 0) return status;
-  }
-  return 0;
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+    return input_grad(g + start * ldg, ldg, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows,
+                      out_features, in_features, threads, team);
+  }, 1);
 }
 
-// The weight gradients of a grouped product's row blocks in one call: c_e = a[start:stop]ᵀ·
-// b[start:stop] (c + e·c_expert, bf16), added to what c_e holds where the entry's flag is 1 (a
-// second block of the same expert), each as moe_ffn_amx_weight_grad forms it.
+// Weight gradient blocks: c_e = a[start:stop]ᵀ·b[start:stop] (c_e = c + e·c_expert, bf16),
+// added to what c_e holds where the entry's flag is set (a second block of the same expert).
 extern "C" int moe_ffn_amx_weight_grad_blocks(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
                                               uint16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
                                               const int64_t* blocks, int64_t count, int64_t r_count, int64_t q_count,
                                               int threads, void* parallel, void* thread_num, void* num_threads) {
-  if (!ready() || r_count < 16 || r_count % 16 || q_count < 32 || q_count % 32 || threads < 1 ||
-      !blocks_fit(blocks, count, experts))
-    return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], rows = blocks[4 * i + 2] - start;
-    const int status = weight_grad(a + start * lda, lda, b + start * ldb, ldb, Out{c + e * c_expert, ldc, false}, rows,
-                                   r_count, q_count, blocks[4 * i + 3] != 0, threads, team);
-    if (status != 0) return status;
-  }
-  return 0;
+  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool add) {
+    return weight_grad(a + start * lda, lda, b + start * ldb, ldb, Out{c + e * c_expert, ldc, false}, rows, r_count,
+                       q_count, add, threads, team);
+  }, 1);
 }
 
 // y = g·w for bf16 g [rows, O] and w [O, I] into y [rows, I]; O and I multiples of 32.

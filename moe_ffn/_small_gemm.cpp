@@ -56,6 +56,7 @@
 
 #include "_team.h"
 
+using moe_ffn_team::each_block;
 using moe_ffn_team::on_team;
 using moe_ffn_team::share;
 using moe_ffn_team::Team;
@@ -1509,22 +1510,6 @@ extern "C" int moe_ffn_linear_f32(const float* x, int64_t ldx, const float* w, i
 // product (_small_gemm.py's IN_PLACE_MAX_ROWS = kInPlaceRows[1] for float32 forward products,
 // MAX_ROWS for bf16 ones, INPUT_GRAD_ROWS[1] for input gradients):
 constexpr int64_t kUnpackedRows = 64;
-
-// block(e, start, rows, accumulate) for each block in turn, once every block was checked
-// (-1: a block out of range, nothing run); the first nonzero status a block returns.
-template <typename Block>
-int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Block& block) {
-  if (count < 0) return -1;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t* b = blocks + 4 * i;
-    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] < b[1]) return -1;
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t* b = blocks + 4 * i;
-    if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0)) return status;
-  }
-  return 0;
-}
 
 // Blocks of at most kDecodeRows rows each (a decode step's) run in one parallel region, each
 // thread its share of every block's rows of w, as linear() shares them (the same sums), where

@@ -1,6 +1,7 @@
 // What moe_ffn's CPU kernels (_small_gemm.cpp, _amx.cpp, _avx512.cpp) share: running a body on
 // torch's OpenMP team (why torch's team and not threads of our own: _small_gemm.cpp's header),
-// the calling thread's scratch memory, the AVX-512 check, and SwiGLU's arguments.
+// the calling thread's scratch memory, the AVX-512 check, SwiGLU's arguments, and the loop of
+// the *_blocks entry points over their table of expert blocks.
 #pragma once
 
 #include <cpuid.h>
@@ -126,6 +127,23 @@ __attribute__((always_inline)) inline void swiglu_prefetch(const Swiglu<T>& p, i
   _mm_prefetch(reinterpret_cast<const char*>(gate), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(gate + p.features), _MM_HINT_T0);
   if (p.da) _mm_prefetch(reinterpret_cast<const char*>(p.da + ahead * p.ldda + f), _MM_HINT_T0);
+}
+
+// block(e, start, rows, flag) for each entry (e, start, stop, flag) of a *_blocks entry point's
+// table in turn, once every entry was checked (-1: an expert out of range, or fewer than
+// min_rows rows, nothing run); the first nonzero status a block returns.
+template <typename Block>
+int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Block& block, int64_t min_rows = 0) {
+  if (count < 0) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < min_rows) return -1;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0)) return status;
+  }
+  return 0;
 }
 
 }  // namespace moe_ffn_team
