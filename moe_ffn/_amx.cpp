@@ -700,29 +700,19 @@ extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t
 // needs a row) or the shapes are not taken (the first block's product declines before it
 // writes).
 
-// Forward blocks: y[start:stop] = x[start:stop]·w_eᵀ, w_e = w + e·w_expert, bf16 y.
-extern "C" int moe_ffn_amx_linear_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t experts,
-                                         int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
-                                         const int64_t* blocks, int64_t count, int64_t out_features,
-                                         int64_t in_features, int threads, void* parallel, void* thread_num,
-                                         void* num_threads) {
+// Forward blocks (input_grad 0): y[start:stop] = x[start:stop]·w_eᵀ, w_e = w + e·w_expert; input
+// gradient blocks (input_grad 1): y[start:stop] = x[start:stop]·w_e (x the output gradient).
+// bf16 y.
+extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                          int64_t experts, int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
+                                          const int64_t* blocks, int64_t count, int64_t out_features,
+                                          int64_t in_features, int threads, void* parallel, void* thread_num,
+                                          void* num_threads) {
   const Team team = make_team(parallel, thread_num, num_threads);
+  const auto product = input_grad_blocks ? input_grad : linear;
   return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
-    return linear(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows, out_features,
-                  in_features, threads, team);
-  }, 1);
-}
-
-// Input gradient blocks: y[start:stop] = g[start:stop]·w_e, bf16 y.
-extern "C" int moe_ffn_amx_input_grad_blocks(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t experts,
-                                             int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
-                                             const int64_t* blocks, int64_t count, int64_t out_features,
-                                             int64_t in_features, int threads, void* parallel, void* thread_num,
-                                             void* num_threads) {
-  const Team team = make_team(parallel, thread_num, num_threads);
-  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
-    return input_grad(g + start * ldg, ldg, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows,
-                      out_features, in_features, threads, team);
+    return product(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows, out_features,
+                   in_features, threads, team);
   }, 1);
 }
 

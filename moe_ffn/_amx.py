@@ -169,7 +169,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _blocks_entry_point(name: str):
-    """moe_ffn_amx_{name}_blocks with its argument types, or None (as `_entry_points`)."""
+    """moe_ffn_amx_{name}_blocks (name "product": forward and input gradients; "weight_grad")
+    with its argument types, or None (as `_entry_points`)."""
     import ctypes
 
     if _entry_points() is None:
@@ -180,33 +181,48 @@ def _blocks_entry_point(name: str):
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     if name == "weight_grad":  # (a, lda, b, ldb, c, experts, c_expert, ldc, ...)
         head = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
-    else:  # (x, ldx, w, experts, w_expert, ldw, y, ldy, ...)
-        head = [ptr, i64, ptr, i64, i64, i64, ptr, i64]
+    else:  # (input_grad, x, ldx, w, experts, w_expert, ldw, y, ldy, ...)
+        head = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, i64]
     fn.argtypes = head + [ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
     fn.restype = c_int
     return fn
 
 
-def _run_blocks(name: str, fn, openmp, head: tuple, blocks, flags, dims: tuple[int, int]) -> bool:
+def _run_blocks(fn, openmp, head: tuple, blocks, flags, dims: tuple[int, int]) -> bool:
     table = array.array("q", [v for (e, start, stop), flag in zip(blocks, flags) for v in (e, start, stop, int(flag))])
     return fn(*head, table.buffer_info()[0], len(blocks), *dims, torch.get_num_threads(), *openmp) == 0
+
+
+def _product_blocks(name: str, out: Tensor, src: Tensor, w_EOI: Tensor, blocks, most: int, takes: bool, dims: tuple) -> bool:
+    """out[start:stop] from src[start:stop] through w_EOI[e] for every block, in one call of
+    moe_ffn_amx_product_blocks (name "linear": the forward src·wᵀ; "input_grad": src·w; dims the
+    weight's (O, I) either way); whether it ran (`out` untouched otherwise): bf16 tensors, the
+    weight's dims taken (`takes`), every block of 1 to `most` rows."""
+    if not (takes and blocks and _bf16(src, w_EOI, out) and w_EOI.stride(2) == 1):
+        return False
+    if not all(0 < stop - start <= most for _, start, stop in blocks):
+        return False
+    fn, openmp = _blocks_entry_point("product"), _openmp((src,), out)
+    if fn is None or openmp is None:
+        return False
+    src_cols, out_cols = dims if name == "input_grad" else dims[::-1]
+    fits = src.shape[1] == src_cols and out.shape[1] == out_cols
+    shapes = f"{tuple(src.shape)}, {tuple(w_EOI.shape)}, {tuple(out.shape)}"
+    _small_gemm._check_blocks(f"amx.{name}_blocks", blocks, min(src.shape[0], out.shape[0]) if fits else -1, w_EOI.shape[0], shapes)
+    head = (
+        int(name == "input_grad"), src.data_ptr(), src.stride(0), w_EOI.data_ptr(), w_EOI.shape[0], w_EOI.stride(0),
+        w_EOI.stride(1), out.data_ptr(), out.stride(0),
+    )
+    return _run_blocks(fn, openmp, head, blocks, [0] * len(blocks), dims)
 
 
 def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
     each block's sums the ones `linear_into` forms for it; returns whether it ran (when False,
     `out` is untouched): bf16 x, w_EOI and out, every block of 1 to FORWARD_MAX_ROWS rows."""
-    if not (blocks and w_EOI.dim() == 3 and _bf16(x, w_EOI, out) and w_EOI.stride(2) == 1):
-        return False
-    E, O, I = w_EOI.shape
-    if not (takes_forward((O, I)) and all(0 < stop - start <= FORWARD_MAX_ROWS for _, start, stop in blocks)):
-        return False
-    fn, openmp = _blocks_entry_point("linear"), _openmp((x,), out)
-    if fn is None or openmp is None:
-        return False
-    _check_blocks("linear_blocks", x, out, E, blocks, x.shape[1] == I and out.shape[1] == O, w_EOI)
-    head = (x.data_ptr(), x.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0))
-    return _run_blocks("linear", fn, openmp, head, blocks, [0] * len(blocks), (O, I))
+    dims = tuple(w_EOI.shape[1:])
+    takes = w_EOI.dim() == 3 and takes_forward(dims)
+    return _product_blocks("linear", out, x, w_EOI, blocks, FORWARD_MAX_ROWS, takes, dims)
 
 
 def input_grad_max_rows(w_OI_shape: tuple[int, int]) -> int:
@@ -219,18 +235,9 @@ def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block, in one call, each block's sums
     the ones `input_grad` forms for it; returns whether it ran (`out` untouched otherwise): bf16
     g, w_EOI and out, every block of 1 to `input_grad_max_rows` rows."""
-    if not (blocks and w_EOI.dim() == 3 and _bf16(g, w_EOI, out) and w_EOI.stride(2) == 1):
-        return False
-    E, O, I = w_EOI.shape
-    most = input_grad_max_rows((O, I))
-    if not (O > 0 and O % 32 == 0 and I > 0 and I % 32 == 0 and all(0 < stop - start <= most for _, start, stop in blocks)):
-        return False
-    fn, openmp = _blocks_entry_point("input_grad"), _openmp((g,), out)
-    if fn is None or openmp is None:
-        return False
-    _check_blocks("input_grad_blocks", g, out, E, blocks, g.shape[1] == O and out.shape[1] == I, w_EOI)
-    head = (g.data_ptr(), g.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0))
-    return _run_blocks("input_grad", fn, openmp, head, blocks, [0] * len(blocks), (O, I))
+    dims = tuple(w_EOI.shape[1:])
+    takes = w_EOI.dim() == 3 and all(d > 0 and d % 32 == 0 for d in dims)
+    return _product_blocks("input_grad", out, g, w_EOI, blocks, input_grad_max_rows(dims) if takes else 0, takes, dims)
 
 
 def weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], again: list[bool]) -> bool:
@@ -246,17 +253,11 @@ def weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple
     fn, openmp = _blocks_entry_point("weight_grad"), _openmp((a, b), None)
     if fn is None or openmp is None or out_EMN.stride(1) < N:
         return False
-    _check_blocks("weight_grad_blocks", a, b, E, blocks, a.shape[1] == M and b.shape[1] == N, out_EMN)
+    fits = a.shape[1] == M and b.shape[1] == N
+    shapes = f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(out_EMN.shape)}"
+    _small_gemm._check_blocks("amx.weight_grad_blocks", blocks, min(a.shape[0], b.shape[0]) if fits else -1, E, shapes)
     head = (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1))
-    return _run_blocks("weight_grad", fn, openmp, head, blocks, again, (M, N))
-
-
-def _check_blocks(name: str, src: Tensor, dst: Tensor, experts: int, blocks, dims_fit: bool, w: Tensor) -> None:
-    rows = min(src.shape[0], dst.shape[0])
-    if not dims_fit or not all(0 <= e < experts and stop <= rows for e, _, stop in blocks):
-        raise ValueError(
-            f"amx.{name}: {tuple(src.shape)}, {tuple(w.shape)}, {tuple(dst.shape)} and blocks {blocks} do not fit"
-        )
+    return _run_blocks(fn, openmp, head, blocks, again, (M, N))
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -264,7 +265,7 @@ def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional
     into `out` [rows, I] or a new tensor; None where it does not run (`out` untouched)."""
     w = w_t.t()
     rows, (O, I) = g.shape[0], w.shape
-    most = INPUT_GRAD_SMALL_WEIGHT[0] if O * I <= INPUT_GRAD_SMALL_WEIGHT[1] else INPUT_GRAD_MAX_ROWS
+    most = input_grad_max_rows((O, I))
     if not (
         _bf16(g, w) and (out is None or _bf16(out))
         and 0 < rows <= most and O % 32 == 0 and I % 32 == 0 and O > 0 and I > 0

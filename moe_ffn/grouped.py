@@ -1048,7 +1048,7 @@ def _forward_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor
     T = 16 / 64 / 256 1.00 / 1.06 / 1.04×."""
     rest = blocks
     if b_EO is None and cdt == x.dtype == out.dtype == torch.bfloat16:
-        # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_linear_blocks)
+        # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_product_blocks)
         fits = [blk for blk in blocks if blk[2] - blk[1] <= _amx.FORWARD_MAX_ROWS]
         if fits and _amx.linear_blocks(out, x, w_EOI, fits):
             rest = [blk for blk in blocks if blk[2] - blk[1] > _amx.FORWARD_MAX_ROWS]
