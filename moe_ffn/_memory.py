@@ -168,12 +168,12 @@ def zeros(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # keeps `buffer` alive
 
 
-def _mappable(like: Tensor, nbytes: int) -> bool:
-    """Whether a buffer of nbytes for like's device is made as a mapping of our own: large,
-    on CPU, on Linux, and not while torch.compile traces."""
+def _mappable(like: Tensor, nbytes: int, least: int = _MIN_BYTES) -> bool:
+    """Whether a buffer of nbytes for like's device is made as a mapping of our own: at least
+    `least` bytes, on CPU, on Linux, and not while torch.compile traces."""
     return (
         like.device.type == "cpu"
-        and nbytes >= _MIN_BYTES
+        and nbytes >= least
         and sys.platform.startswith("linux")
         and not torch.compiler.is_compiling()
     )
@@ -332,6 +332,17 @@ _pool_lock = threading.Lock()
 _pool: list[mmap.mmap] = []
 _POOL_FREE_BYTES = 1 << 30
 _SCRATCH_MAX_BYTES = 1 << 28  # larger temporaries are made as `empty` makes them
+# Smaller ones too, below this: glibc's malloc serves requests under its mmap threshold (128
+# KiB by default) from its heap. Above it, a temporary freed at the heap's top lets malloc trim
+# the heap (give its pages back), so the next step's temporary of that size faults its pages in
+# again. The pool started at _MIN_BYTES (4 MiB) until 2026-12-04: on the 2-core Xeon, Mixtral's
+# fp32 forward+backward at T = 256 faulted in ~2700 pages a step, forward alone ~2400 (mostly
+# the SwiGLU backward's 1.9 and 3.8 MiB outputs of a group: its first two calls of a step took
+# 10 and 6 ms, the other two 0.4), none from 128 KiB. What a fault costs there swings: separate
+# processes read 192 → 171 ms once, 170.5 → 171.3 later; interleaved A/B in one process (13
+# rounds, pair-ratio medians) Mixtral fp32 forward+backward 1.022×, forward 1.044×, bf16
+# forward+backward (~200 faults a step) 0.994×.
+_SCRATCH_MIN_BYTES = 1 << 17
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,7 +365,7 @@ def scratch(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tens
     dtype = like.dtype if dtype is None else dtype
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if not (_keep_scratch_memory() and _mappable(like, nbytes) and nbytes <= _SCRATCH_MAX_BYTES):
+    if not (_keep_scratch_memory() and _mappable(like, nbytes, _SCRATCH_MIN_BYTES) and nbytes <= _SCRATCH_MAX_BYTES):
         return empty(like, *shape, dtype=dtype)
     with _pool_lock:
         size = _size_class(nbytes)

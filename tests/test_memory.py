@@ -362,10 +362,63 @@ def test_scratch_of_other_sizes_and_small_or_huge_requests(pool):
     del a
     big = _memory.scratch(like, 4096, 4096)  # 32 MiB: more than twice the free mapping, a new one
     assert big.data_ptr() != address and len(pool) == 2
-    small = _memory.scratch(like, 16, 16)  # under _MIN_BYTES: an ordinary tensor, not pooled
+    small = _memory.scratch(like, 16, 16)  # under _SCRATCH_MIN_BYTES: an ordinary tensor, not pooled
     assert small.shape == (16, 16) and len(pool) == 2
     assert _memory._size_class(1) == 2 << 20 and _memory._size_class((2 << 20) + 1) == 4 << 20
     assert _memory._size_class(37 << 20) == 40 << 20  # 8 steps per doubling past 32 MiB: 4 MiB steps
+
+
+def test_scratch_pools_temporaries_from_128_kib_not_only_huge_page_sized_ones(pool):
+    like = torch.empty(0)
+    assert _memory._SCRATCH_MIN_BYTES == 128 << 10 < _memory._MIN_BYTES
+    a = _memory.scratch(like, 256, 128)  # exactly 128 KiB: pooled
+    assert len(pool) == 1
+    address = a.data_ptr()
+    del a
+    b = _memory.scratch(like, 512, 1024)  # 2 MiB, the same size class: the same mapping again
+    assert b.data_ptr() == address and len(pool) == 1
+    c = _memory.scratch(like, 255, 128)  # a row short of 128 KiB: malloc's, as before
+    assert len(pool) == 1 and c.shape == (255, 128)
+
+
+def test_a_training_steps_temporaries_come_from_the_pool_after_warm_up(pool, monkeypatch):
+    """The regression guard for _SCRATCH_MIN_BYTES: after a warm-up step, every temporary of a
+    fp32 forward+backward step of 128 KiB or more (here 0.25–2 MiB: a group's gathered rows,
+    activations and their gradients) lies in a pool mapping, and the step maps nothing new.
+    With the pool starting at 4 MiB, these went to malloc, whose heap trimming made them fault
+    in afresh every step: ~1100–1800 pages a step for this layer in a fresh process (2-core
+    Xeon), ~2700 for Mixtral's fp32 forward+backward at T = 256."""
+    from moe_ffn import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(dim=256, hidden_dim=512, num_experts=4, top_k=2)
+    x, g = torch.randn(512, 256, requires_grad=True), torch.randn(512, 256)
+
+    def step():
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe(x).backward(g)
+
+    step()
+    real_scratch, real_map = _memory.scratch, _memory._map
+    sizes, outside, mapped = [], [], []
+
+    def scratch(like, *shape, dtype=None):
+        t = real_scratch(like, *shape, dtype=dtype)
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= 128 << 10:
+            sizes.append(nbytes)
+            spans = [(torch.frombuffer(b, dtype=torch.uint8).data_ptr(), len(b)) for b in pool]
+            if not any(s <= t.data_ptr() and t.data_ptr() + nbytes <= s + n for s, n in spans):
+                outside.append(nbytes)
+        return t
+
+    monkeypatch.setattr(_memory, "scratch", scratch)
+    monkeypatch.setattr(_memory, "_map", lambda nbytes: mapped.append(nbytes) or real_map(nbytes))
+    step()
+    assert any(n < _memory._MIN_BYTES for n in sizes), sizes  # (the sizes the guard is about)
+    assert not outside, f"temporaries of {outside} bytes not on the pool's mappings"
+    assert not mapped, f"a step after warm-up mapped {mapped} bytes anew"
 
 
 def test_scratch_keeps_at_most_the_free_bytes_allowed(pool, monkeypatch):
