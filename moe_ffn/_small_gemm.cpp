@@ -549,7 +549,7 @@ inline void split_line(const InputGrad<W>& p, int64_t o, int64_t c, float* y, in
 // at one row) and float32 weights (0.84–1.30×) keep the blocks of 8. Layer bf16 forward+backward,
 // interleaved A/B (31 and 41 rounds): Mixtral T=1 1.03 / 1.04×, T=16 1.03 / 1.00×; fine-grained
 // T=16 1.03 / 1.08×, T=1 0.97 / 0.95× (against the products' 1.27–1.47× there: layer A/Bs at
-// T=1 moved by ±10 % on this machine for unchanged kernels, see profiling/README.md).
+// T=1 moved by ±10 % on this machine for unchanged kernels, see profiling/JOURNAL.md).
 constexpr int64_t kLineRowsBytes = 8 << 10;
 template <int ROWS, typename W>
 void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t ldy, bool fresh) {
