@@ -25,8 +25,11 @@ forward T = 2048, ~256-row blocks: 71.3 → 66.0 ms; Mixtral T = 1024 38.4 → 3
 T = 2048, 512-row blocks, where sending those too lost: 65.3 → 69.3), input gradients
 through the fine-grained shape's weights (≤ 2^20 elements) to 320 rows (fine-grained bf16
 forward+backward T = 2048: 233.8 → 220.2 ms; through Mixtral's 2^21–2^23-element weights
-256-row blocks lost: 123.3 → 127.0 at T = 1024). Large bf16 weight gradients (≥ 2^21 elements) are written with
-streaming stores (_amx.cpp's kStreamElements says why).
+256-row blocks lost: 123.3 → 127.0 at T = 1024). bf16 results are stored a whole 64-byte line
+at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
+rows spent 45 % of its time storing), past the caches for results from 2^12 elements
+(forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
+kStreamResult and kStreamElements say why).
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every

@@ -86,6 +86,34 @@ def test_forward_matches_float64(rows, shape):
     assert _untouched(wide, O)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 100])
+@pytest.mark.parametrize("shape", [(48, 64), (1024, 160), (272, 512)])
+def test_results_written_past_the_caches_are_the_ones_written_through_them(rows, shape):
+    """Forward and input gradient, bf16 results in whole 64-byte lines (_amx.cpp,
+    store_bf16_pair): into a fresh, 64-byte aligned tensor those of kStreamResult (2^12)
+    elements or more go past the caches (here rows·O from 17 rows of 48 × 64, from one row of
+    1024 × 160), into a slice 16 columns in (not aligned) through them; the same bits either
+    way, and within a bf16 rounding of float64 (forward O = 48 and 272: a lone 16-column tile
+    past the pairs; the input gradient's O rounded up to a multiple of 32, which it needs)."""
+    _needs_amx()
+    O, I = shape
+    x, w = _strided(rows, I), _strided(O, I)
+    out, wide = _margins(rows, O)
+    assert _amx.linear_into(out, x, w)
+    fresh = torch.empty(rows, O, dtype=bf16)
+    assert fresh.data_ptr() % 64 == 0 and _amx.linear_into(fresh, x, w)
+    assert torch.equal(fresh.view(torch.int16), out.view(torch.int16)) and _untouched(wide, O)
+    assert _within_bf16_of(fresh, x, w.t(), I)
+    O = O // 32 * 32 + 32 * (O % 32 > 0)  # the input gradient's depth: whole steps of 32
+    g, w = _strided(rows, O), _strided(O, I)
+    grad, wide = _margins(rows, I)
+    assert _amx.input_grad(g, w.t(), out=grad) is not None
+    fresh = _amx.input_grad(g, w.t())
+    assert fresh is not None and fresh.data_ptr() % 64 == 0
+    assert torch.equal(fresh.view(torch.int16), grad.view(torch.int16)) and _untouched(wide, I)
+    assert _within_bf16_of(fresh, g, w, O)
+
+
 def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
     """linear_blocks: every block through its expert's weight, bit for bit what linear_into
     makes of it alone, rows between the blocks and the other columns untouched; it declines
@@ -180,8 +208,9 @@ def test_input_grad_matches_float64(rows, shape):
 @pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 100, 500, _amx.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (272, 160), (2048, 1024)])
 def test_weight_grad_matches_float64(rows, shape):
-    """aᵀ·b over `rows` steps; (2048, 1024): past 2^21 elements, stored with streaming stores,
-    and from 500 rows b's columns in chunks."""
+    """aᵀ·b over `rows` steps; from 500 rows b's columns in chunks. Into a slice 16 columns in
+    (not 64-byte aligned: stored through the caches) and into a fresh tensor (aligned: from
+    kStreamElements, 2^19, past them, as the (2048, 1024) gradient is): the same bits."""
     _needs_amx()
     m, n = shape
     a, b = _strided(rows, m), _strided(rows, n)
@@ -189,6 +218,9 @@ def test_weight_grad_matches_float64(rows, shape):
     assert _amx.weight_grad_into(out, a.t(), b)
     assert _within_bf16_of(out, a.t(), b, rows)
     assert _untouched(wide, n)
+    fresh = torch.empty(m, n, dtype=bf16)
+    assert fresh.data_ptr() % 64 == 0 and _amx.weight_grad_into(fresh, a.t(), b)
+    assert torch.equal(fresh.view(torch.int16), out.view(torch.int16))
 
 
 @pytest.mark.parametrize("shape", [(48, 96), (2048, 1024)])
