@@ -215,7 +215,7 @@ inline void store_bf16_pair(const float* left, const float* right, const Out& y,
 }
 
 // Whether a bf16 result of `elements` elements at y (rows ld elements apart, written in 64-byte
-// lines from columns that are multiples of 32) goes past the caches: from kStreamResult
+// lines from columns that are multiples of 32) goes past the caches: from `least` (kStreamResult; weight gradients kStreamElements)
 // elements, where y's rows are 64-byte aligned. The forward's and input gradients' results
 // are read next by another pass (SwiGLU, the slots' sums) or kept for backward, mostly from
 // memory anyway at these sizes. 2-core Xeon, against the tile-by-tile stores (products, 64
@@ -227,8 +227,8 @@ inline void store_bf16_pair(const float* left, const float* right, const Out& y,
 // ~256-row blocks of the fine-grained T = 2048 fell on both sides of the line (1.03×); from 2^16
 // Mixtral T = 1 read 0.98×.
 constexpr int64_t kStreamResult = int64_t{1} << 12;
-inline bool stream_result(const Out& y, int64_t elements) {
-  return !y.f32 && elements >= kStreamResult && reinterpret_cast<uintptr_t>(y.p) % 64 == 0 && y.ld % 32 == 0;
+inline bool stream_result(const Out& y, int64_t elements, int64_t least = kStreamResult) {
+  return !y.f32 && elements >= least && reinterpret_cast<uintptr_t>(y.p) % 64 == 0 && y.ld % 32 == 0;
 }
 
 // One 32×32 block (AT × BT tiles of 16×16) of A·B over `steps` steps of 32 along the sum:
@@ -517,8 +517,7 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
     share(depth / 2, 1, t, n, &first, &last);
     pack_pairs(b, ldb, rows, q_count, first, last, bv);
   });
-  const bool stream = !c.f32 && !accumulate && r_count * q_count >= kStreamElements &&
-                      reinterpret_cast<uintptr_t>(c.p) % 64 == 0 && c.ld % 32 == 0;
+  const bool stream = !accumulate && stream_result(c, r_count * q_count, kStreamElements);
   const int64_t q_tiles = q_count / 16;
   const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (depth * 2 * 16) / 2 * 2);
   on_team(team, count, [&](int64_t t, int64_t n) {
