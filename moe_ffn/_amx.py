@@ -29,7 +29,10 @@ forward+backward T = 2048: 233.8 → 220.2 ms; through Mixtral's 2^21–2^23-ele
 at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
 rows spent 45 % of its time storing), past the caches for results from 2^12 elements
 (forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
-kStreamResult and kStreamElements say why).
+kStreamResult and kStreamElements say why), rounded by AVX512-BF16's instruction (a line with
+a NaN by the integer steps, for torch's NaN bits), each block's results while the next block's
+tile products run (stored right after their own, storing and multiplying added up: `linear`
+in _amx.cpp has the numbers).
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every
@@ -101,7 +104,7 @@ def _entry_points():
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernel runs here: built, torch on a libgomp team, and the CPU and OS able to
-    (AVX-512, AMX-BF16, the tile state granted to this process: moe_ffn_amx_ready)."""
+    (AVX-512, AVX512-BF16, AMX-BF16, the tile state granted to this process: moe_ffn_amx_ready)."""
     points = _entry_points()
     return points is not None and _small_gemm.torch_openmp() is not None and points[0]() == 1
 

@@ -237,8 +237,8 @@ def test_weight_grad_accumulates_onto_what_out_holds(shape):
 
 def test_results_round_to_nearest_even_as_torch_does():
     """Each float32 sum rounded to bf16 as torch rounds: sums exact in float32 that land on ties
-    (to even, up and down), just off them, on infinity and NaN, for the forward and (the same
-    sums over the rows) the weight gradient."""
+    (to even, up and down), just off them, on infinity and NaN (its bits too), for the forward
+    and (the same sums over the rows) the weight gradient."""
     _needs_amx()
     t = BF16_TIE_T
     x = torch.zeros(1, 32)
@@ -258,6 +258,10 @@ def test_results_round_to_nearest_even_as_torch_does():
     for got in (out[0], grad[:, 0]):
         same = (got.view(torch.int16) == expected[0].view(torch.int16)) | (got.isnan() & expected[0].isnan())
         assert same.all(), f"kernel {got.tolist()} against torch {expected[0].tolist()}"
+        # every NaN as c10's rounding writes it, 0x7FC0 (the rounding instruction the kernel uses
+        # for whole lines would keep the sign of the tiles' NaN)
+        nan_bits = got.view(torch.int16)[got.isnan()]
+        assert len(nan_bits) > 0 and (nan_bits == 0x7FC0).all(), [hex(v) for v in nan_bits.tolist()]
     assert out[0, :3].tolist() == [1.0, 1.0 + 4 * t, 1.0 + 2 * t]  # the ties, by hand
 
 
