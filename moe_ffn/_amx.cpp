@@ -94,6 +94,7 @@ struct Out {
 #include "_bf16x16.h"  // to_bf16
 
 namespace {
+int g_exp = 0;
 
 struct alignas(64) TileConfig {
   uint8_t palette;
@@ -387,6 +388,37 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
       }
     };
     int buffer = 0;
+    if (g_exp >= 10 && g_exp < 20 && steps > 16) {
+      const int64_t kc_steps = g_exp == 10 ? 16 : g_exp == 11 ? 8 : 12;
+      static thread_local float* csum = nullptr;
+      static thread_local int64_t csum_n = 0;
+      const int64_t need = ((blocks + 1) / 2) * 1024;
+      if (csum_n < need) { std::free(csum); csum = static_cast<float*>(std::aligned_alloc(64, need * 4)); csum_n = need; }
+      for (int64_t ot = first; ot < last; ot += 2) {
+        const int at = static_cast<int>(std::min<int64_t>(2, last - ot));
+        for (int64_t k0s = 0; k0s < steps; k0s += kc_steps) {
+          const int64_t ks = std::min(kc_steps, steps - k0s);
+          const bool first_k = k0s == 0, last_k = k0s + ks == steps;
+          const Operand a{w + ot * 16 * ldw + k0s * 32, ldw * 2, 16 * ldw, 32};
+          for (int64_t mb = 0; mb < blocks; mb += 2) {
+            const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
+            const Operand b{xp + mb * in_features * 16 + k0s * 512, 64, in_features * 16, 512};
+            float* part = csum + (mb / 2) * 1024;
+            run_products(at, bt, a, b, ks, first_k ? nullptr : part);
+            if (!last_k) { run_sums(at, bt, part); continue; }
+            if (pending.sums) store(pending);
+            compiler_fence();
+            run_sums(at, bt, tiles[buffer]);
+            pending = Pending{ot, mb, at, bt, tiles[buffer]};
+            buffer ^= 1;
+          }
+        }
+      }
+      if (pending.sums) store(pending);
+      if (stream) _mm_sfence();
+      _tile_release();
+      return;
+    }
     // the block's rows in chunks whose packed part stays in L2 while every row tile of w
     // passes over it (w is read again for each chunk)
     const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);
@@ -823,6 +855,7 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
 
 // 1 where the products below run on this CPU (AVX-512 and AMX-BF16, enabled by the OS, and
 // the tile state granted to this process), else 0 (then every entry point returns -1).
+extern "C" void moe_ffn_experiment(int v) { g_exp = v; }
 extern "C" int moe_ffn_amx_ready() { return ready() ? 1 : 0; }
 
 // y = x·wᵀ for bf16 x [rows, I] and w [O, I] (row strides ldx, ldw in elements, last dims

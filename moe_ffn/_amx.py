@@ -25,7 +25,12 @@ forward T = 2048, ~256-row blocks: 71.3 → 66.0 ms; Mixtral T = 1024 38.4 → 3
 T = 2048, 512-row blocks, where sending those too lost: 65.3 → 69.3), input gradients
 through the fine-grained shape's weights (≤ 2^20 elements) to 320 rows (fine-grained bf16
 forward+backward T = 2048: 233.8 → 220.2 ms; through Mixtral's 2^21–2^23-element weights
-256-row blocks lost: 123.3 → 127.0 at T = 1024). bf16 results are stored a whole 64-byte line
+256-row blocks lost: 123.3 → 127.0 at T = 1024), and weight gradients from 512 to 1024
+rows on 2026-12-04, after the stores below: blocks of 549 / 768 / 1024 rows through 7168×1024
+1870 / 1459 / 1309 GFLOP/s against torch's 1088 / 1126 / 1215, through 1024×1024 at 768 /
+1024 rows 1427 / 1144 against 1038 / 1052 (1300 rows level, 2048 rows 742 against 1030);
+bf16 forward+backward (interleaved, 7 rounds) Mixtral T = 2048 / 3072 / 4096 1.07 / 1.14 /
+1.01×, fine-grained T = 6144 / 8192 1.11 / 1.01×. bf16 results are stored a whole 64-byte line
 at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
 rows spent 45 % of its time storing), past the caches for results from 2^12 elements
 (forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
@@ -51,7 +56,8 @@ than oneDNN's; denormal inputs flushed as AMX does, as oneDNN's AMX kernels do),
 rounded to bf16 once, to nearest even as torch rounds.
 
 Memory: each calling thread keeps its largest scratch buffer (the packed rows of a block, a
-chunk of an interleaved weight: up to a few MiB) from call to call, freed when the thread ends.
+chunk of an interleaved weight, both operands of a weight gradient: up to 16 MiB, for 1024
+rows through Mixtral's 7168×1024) from call to call, freed when the thread ends.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ FORWARD_MAX_ROWS = 320
 INPUT_GRAD_MAX_ROWS = 128
 # ... and to 320 rows through weights of at most 2^20 elements (fine-grained experts').
 INPUT_GRAD_SMALL_WEIGHT = (320, 1 << 20)
-WEIGHT_GRAD_MAX_ROWS = 512
+WEIGHT_GRAD_MAX_ROWS = 1024
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,7 +53,7 @@ inline void share(int64_t units, int64_t step, int64_t t, int64_t count, int64_t
 }
 
 // Scratch memory of the calling thread, kept from call to call: a kernel's packed operands are
-// a few hundred KiB to a few MiB, and allocating them anew (fresh pages, faulted in as they
+// a few hundred KiB to 16 MiB, and allocating them anew (fresh pages, faulted in as they
 // are first written) cost as much as a small product. `bytes` at 64-byte alignment, not
 // zeroed, valid until the thread's next call; grown to the largest size asked for, freed when
 // the thread ends. Null where the allocation failed.
