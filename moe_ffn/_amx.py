@@ -30,7 +30,13 @@ rows on 2026-12-04, after the stores below: blocks of 549 / 768 / 1024 rows thro
 1870 / 1459 / 1309 GFLOP/s against torch's 1088 / 1126 / 1215, through 1024×1024 at 768 /
 1024 rows 1427 / 1144 against 1038 / 1052 (1300 rows level, 2048 rows 742 against 1030);
 bf16 forward+backward (interleaved, 7 rounds) Mixtral T = 2048 / 3072 / 4096 1.07 / 1.14 /
-1.01×, fine-grained T = 6144 / 8192 1.11 / 1.01×. bf16 results are stored a whole 64-byte line
+1.01×, fine-grained T = 6144 / 8192 1.11 / 1.01×; on the same day the forward from 320 to
+640 rows and the fine-grained input gradients from 320 to 768 (torch → this kernel: forward
+7168×1024 at 256 / 384 / 549 rows 1238 / 1452 / 1408 → 1781 / 1726 / 1709 GFLOP/s, 768 rows
+1128 → 1014, behind; input gradients through 1024×512 at 512 / 768 rows 966 / 1027 → 1549 /
+1532, through Mixtral's weights at 256–549 rows 0.76–1.04×, left at 128): bf16 forward
+Mixtral T = 2048 1.09×, fine-grained T = 4096 1.23×; forward+backward Mixtral T = 2048
+1.03×, fine-grained T = 4096 / 6144 1.13 / 1.03×, Mixtral T = 1024 level. bf16 results are stored a whole 64-byte line
 at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
 rows spent 45 % of its time storing), past the caches for results from 2^12 elements
 (forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
@@ -71,10 +77,10 @@ from torch import Tensor
 
 from moe_ffn import _memory, _small_gemm
 
-FORWARD_MAX_ROWS = 320
+FORWARD_MAX_ROWS = 640
 INPUT_GRAD_MAX_ROWS = 128
-# ... and to 320 rows through weights of at most 2^20 elements (fine-grained experts').
-INPUT_GRAD_SMALL_WEIGHT = (320, 1 << 20)
+# ... and to 768 rows through weights of at most 2^20 elements (fine-grained experts').
+INPUT_GRAD_SMALL_WEIGHT = (768, 1 << 20)
 WEIGHT_GRAD_MAX_ROWS = 1024
 
 

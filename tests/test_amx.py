@@ -121,7 +121,7 @@ def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
     expert or rows outside the tensors."""
     _needs_amx()
     torch.manual_seed(4)
-    E, O, I, N = 5, 48, 64, 420
+    E, O, I, N = 5, 48, 64, _amx.FORWARD_MAX_ROWS + 100
     w = torch.randn(E, O, I + 32, dtype=bf16)[:, :, 16 : I + 16]  # strided rows, experts apart
     x = _strided(N, I)
     blocks = [(3, 0, 7), (0, 7, 40), (4, 52, 53), (3, 53, 53 + _amx.FORWARD_MAX_ROWS - 1)]
