@@ -36,7 +36,11 @@ bf16 forward+backward (interleaved, 7 rounds) Mixtral T = 2048 / 3072 / 4096 1.0
 1128 → 1014, behind; input gradients through 1024×512 at 512 / 768 rows 966 / 1027 → 1549 /
 1532, through Mixtral's weights at 256–549 rows 0.76–1.04×, left at 128): bf16 forward
 Mixtral T = 2048 1.09×, fine-grained T = 4096 1.23×; forward+backward Mixtral T = 2048
-1.03×, fine-grained T = 4096 / 6144 1.13 / 1.03×, Mixtral T = 1024 level. bf16 results are stored a whole 64-byte line
+1.03×, fine-grained T = 4096 / 6144 1.13 / 1.03×, Mixtral T = 1024 level. Then both to
+1024 rows through fine-grained weights (forward 1024×1024 at 1024 rows 937–1009 → 1775–1796,
+1024×512 level; input gradients 1024×512 1.25×, 512×1024 0.98×): bf16 forward fine-grained
+T = 6144 / 8192 1.16 / 1.21×, forward+backward T = 8192 1.06× (forward) and 1.02× (input
+gradients, twice). bf16 results are stored a whole 64-byte line
 at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
 rows spent 45 % of its time storing), past the caches for results from 2^12 elements
 (forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
@@ -78,9 +82,11 @@ from torch import Tensor
 from moe_ffn import _memory, _small_gemm
 
 FORWARD_MAX_ROWS = 640
+# ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
+FORWARD_SMALL_WEIGHT = (1024, 1 << 20)
 INPUT_GRAD_MAX_ROWS = 128
-# ... and to 768 rows through weights of at most 2^20 elements (fine-grained experts').
-INPUT_GRAD_SMALL_WEIGHT = (768, 1 << 20)
+# ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
+INPUT_GRAD_SMALL_WEIGHT = (1024, 1 << 20)
 WEIGHT_GRAD_MAX_ROWS = 1024
 
 
@@ -167,11 +173,17 @@ def takes_forward(weight_shape: tuple[int, int]) -> bool:
     return O > 0 and O % 16 == 0 and I > 0 and I % 32 == 0 and available()
 
 
+def forward_max_rows(w_OI_shape: tuple[int, int]) -> int:
+    """The most rows of a block that `linear_into` takes through a weight [O, I]."""
+    O, I = w_OI_shape
+    return FORWARD_SMALL_WEIGHT[0] if O * I <= FORWARD_SMALL_WEIGHT[1] else FORWARD_MAX_ROWS
+
+
 def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (bf16 x [rows, I], w [O, I], out [rows, O]) by the kernel; returns whether it
     ran (when False, `out` is untouched and the caller uses torch)."""
     rows, (O, I) = x.shape[0], w.shape
-    if not (_bf16(x, w, out) and 0 < rows <= FORWARD_MAX_ROWS and takes_forward((O, I))):
+    if not (_bf16(x, w, out) and 0 < rows <= forward_max_rows((O, I)) and takes_forward((O, I))):
         return False
     openmp = _openmp((x, w), out)
     if openmp is None:
@@ -237,10 +249,10 @@ def _product_blocks(name: str, out: Tensor, src: Tensor, w_EOI: Tensor, blocks, 
 def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
     each block's sums the ones `linear_into` forms for it; returns whether it ran (when False,
-    `out` is untouched): bf16 x, w_EOI and out, every block of 1 to FORWARD_MAX_ROWS rows."""
+    `out` is untouched): bf16 x, w_EOI and out, every block of 1 to `forward_max_rows` rows."""
     dims = tuple(w_EOI.shape[1:])
     takes = w_EOI.dim() == 3 and takes_forward(dims)
-    return _product_blocks("linear", out, x, w_EOI, blocks, FORWARD_MAX_ROWS, takes, dims)
+    return _product_blocks("linear", out, x, w_EOI, blocks, forward_max_rows(dims) if takes else 0, takes, dims)
 
 
 def input_grad_max_rows(w_OI_shape: tuple[int, int]) -> int:

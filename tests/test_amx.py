@@ -74,11 +74,14 @@ def _untouched(wide: torch.Tensor, cols: int) -> bool:
 
 
 # rows: one tile's, partial tiles, pairs of tiles and a lone one past them, the limits
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 100, _amx.FORWARD_MAX_ROWS])
-@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 96), (272, 512), (1024, 160)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 100, _amx.FORWARD_MAX_ROWS, _amx.FORWARD_SMALL_WEIGHT[0]])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (80, 96), (272, 512), (1024, 160), (1040, 1024)])
 def test_forward_matches_float64(rows, shape):
+    """(1040, 1024): past FORWARD_SMALL_WEIGHT's elements, so at most FORWARD_MAX_ROWS rows."""
     _needs_amx()
     O, I = shape
+    if rows > _amx.FORWARD_MAX_ROWS and O * I > _amx.FORWARD_SMALL_WEIGHT[1]:
+        rows = _amx.FORWARD_MAX_ROWS
     x, w = _strided(rows, I), _strided(O, I)
     out, wide = _margins(rows, O)
     assert _amx.linear_into(out, x, w)
@@ -117,14 +120,16 @@ def test_results_written_past_the_caches_are_the_ones_written_through_them(rows,
 def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
     """linear_blocks: every block through its expert's weight, bit for bit what linear_into
     makes of it alone, rows between the blocks and the other columns untouched; it declines
-    (nothing written) a block past FORWARD_MAX_ROWS or a float32 operand, and raises on an
+    (nothing written) a block past `forward_max_rows` or a float32 operand, and raises on an
     expert or rows outside the tensors."""
     _needs_amx()
     torch.manual_seed(4)
-    E, O, I, N = 5, 48, 64, _amx.FORWARD_MAX_ROWS + 100
+    E, O, I = 5, 48, 64
+    most = _amx.forward_max_rows((O, I))
+    N = most + 100
     w = torch.randn(E, O, I + 32, dtype=bf16)[:, :, 16 : I + 16]  # strided rows, experts apart
     x = _strided(N, I)
-    blocks = [(3, 0, 7), (0, 7, 40), (4, 52, 53), (3, 53, 53 + _amx.FORWARD_MAX_ROWS - 1)]
+    blocks = [(3, 0, 7), (0, 7, 40), (4, 52, 53), (3, 53, 53 + most - 1)]
     out, wide = _margins(N, O)
     assert _amx.linear_blocks(out, x, w, blocks)
     for e, start, stop in blocks:
@@ -132,10 +137,10 @@ def test_forward_blocks_in_one_call_are_the_blocks_one_by_one():
         assert _amx.linear_into(one, x[start:stop], w[e])
         assert torch.equal(out[start:stop], one)
         assert _within_bf16_of(out[start:stop], x[start:stop], w[e].t(), I)
-    assert out[40:52].isnan().all() and out[53 + _amx.FORWARD_MAX_ROWS - 1 :].isnan().all()
+    assert out[40:52].isnan().all() and out[53 + most - 1 :].isnan().all()
     assert _untouched(wide, O)
     fresh, _ = _margins(N, O)
-    too_many = [(0, 0, 4), (1, 4, 4 + _amx.FORWARD_MAX_ROWS + 1)]
+    too_many = [(0, 0, 4), (1, 4, 4 + most + 1)]
     assert not _amx.linear_blocks(fresh, x, w, too_many)
     assert not _amx.linear_blocks(fresh, x.float(), w, blocks[:1])
     assert fresh.isnan().all()
@@ -275,8 +280,11 @@ def test_entry_points_decline_what_they_do_not_take():
     assert not _amx.linear_into(out.float(), x.float(), w.float())
     assert not _amx.linear_into(out[:, :24], x, w[:24])  # O = 24: not a multiple of 16
     assert not _amx.linear_into(torch.empty(4, 32, dtype=bf16), x[:, :48], w[:, :48])  # I = 48
-    many = _amx.FORWARD_MAX_ROWS + 1
+    many = _amx.FORWARD_SMALL_WEIGHT[0] + 1
     assert not _amx.linear_into(torch.empty(many, 32, dtype=bf16), torch.randn(many, 64, dtype=bf16), w)
+    big_w = torch.randn(1040, 1024, dtype=bf16)  # past FORWARD_SMALL_WEIGHT's elements: the smaller limit
+    many = _amx.FORWARD_MAX_ROWS + 1
+    assert not _amx.linear_into(torch.empty(many, 1040, dtype=bf16), torch.randn(many, 1024, dtype=bf16), big_w)
     assert not _amx.linear_into(out[:0], x[:0], w)
     assert not _amx.linear_into(out, x.t().contiguous().t(), w)  # x's rows not contiguous
     assert bool((out == 7).all())
