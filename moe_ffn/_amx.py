@@ -40,7 +40,11 @@ Mixtral T = 2048 1.09×, fine-grained T = 4096 1.23×; forward+backward Mixtral 
 1024 rows through fine-grained weights (forward 1024×1024 at 1024 rows 937–1009 → 1775–1796,
 1024×512 level; input gradients 1024×512 1.25×, 512×1024 0.98×): bf16 forward fine-grained
 T = 6144 / 8192 1.16 / 1.21×, forward+backward T = 8192 1.06× (forward) and 1.02× (input
-gradients, twice). bf16 results are stored a whole 64-byte line
+gradients, twice). The forward's then to 1280 rows: torch's GEMM through 1024×1024 runs
+974–1084 GFLOP/s at 1100–1300 rows (1705–1780 at 550–650, 1865–1914 at 1500–2048), the
+kernel 1704–1802 (1827 / 1799 at 1500 / 2048: behind from there, and through 1024×512 level
+at 1100 rows, 0.88–0.91× from 1500); fine-grained T = 8192, whose blocks lie around 1024
+rows: forward 1.03×, forward+backward 1.025×. bf16 results are stored a whole 64-byte line
 at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
 rows spent 45 % of its time storing), past the caches for results from 2^12 elements
 (forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
@@ -82,8 +86,8 @@ from torch import Tensor
 from moe_ffn import _memory, _small_gemm
 
 FORWARD_MAX_ROWS = 640
-# ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
-FORWARD_SMALL_WEIGHT = (1024, 1 << 20)
+# ... and to 1280 rows through weights of at most 2^20 elements (fine-grained experts').
+FORWARD_SMALL_WEIGHT = (1280, 1 << 20)
 INPUT_GRAD_MAX_ROWS = 128
 # ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
 INPUT_GRAD_SMALL_WEIGHT = (1024, 1 << 20)
