@@ -94,7 +94,6 @@ struct Out {
 #include "_bf16x16.h"  // to_bf16
 
 namespace {
-int g_exp = 0;
 
 struct alignas(64) TileConfig {
   uint8_t palette;
@@ -317,6 +316,15 @@ void run_block(int at, int bt, const Operand& a, const Operand& b, int64_t steps
   run_sums(at, bt, tiles);
 }
 
+// A block whose sums wait in `sums` (at × bt tiles, laid out as run_sums writes them) to be
+// stored while the next block's products run (see linear); `row` and `col` place it in the
+// result, each kernel in its own units.
+struct Pending {
+  int64_t row = 0, col = 0;
+  int at = 0, bt = 0;
+  const float* sums = nullptr;
+};
+
 // x [rows, I] as the B operand: per block of 16 rows, I/2 pair rows of 16 units (x's 32-bit
 // units transposed), rows past `rows` zero. blocks·I·16 elements.
 void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t in_features, int64_t b0, int64_t b1,
@@ -371,54 +379,19 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
     // T = 16 / 256 / 2048 1.03 / 1.04 / 1.005×, fine-grained T = 256 / 2048 1.03 / 1.02×;
     // forward Mixtral T = 256 1.03×, fine-grained T = 2048 1.05×.
     alignas(64) float tiles[2][1024];
-    struct Pending {
-      int64_t ot = 0, mb = 0;
-      int at = 0, bt = 0;
-      const float* sums = nullptr;
-    } pending;
+    Pending pending;  // row: its first row tile of x (mb), col: of w (ot)
     auto store = [&](const Pending& block) {
       for (int j = 0; j < block.bt; ++j) {
-        const int64_t m0 = (block.mb + j) * 16, n = std::min<int64_t>(16, rows - m0);
+        const int64_t m0 = (block.row + j) * 16, n = std::min<int64_t>(16, rows - m0);
         if (!y.f32 && block.at == 2) {  // tiles (0, j) and (1, j): 32 columns of y
-          store_bf16_pair(block.sums + j * 256, block.sums + (2 + j) * 256, y, m0, block.ot * 16, n, true, stream);
+          store_bf16_pair(block.sums + j * 256, block.sums + (2 + j) * 256, y, m0, block.col * 16, n, true, stream);
           continue;
         }
         for (int i = 0; i < block.at; ++i)
-          store_tile(block.sums + (2 * i + j) * 256, y, m0, (block.ot + i) * 16, n, true, false);
+          store_tile(block.sums + (2 * i + j) * 256, y, m0, (block.col + i) * 16, n, true, false);
       }
     };
     int buffer = 0;
-    if (g_exp >= 10 && g_exp < 20 && steps > 16) {
-      const int64_t kc_steps = g_exp == 10 ? 16 : g_exp == 11 ? 8 : 12;
-      static thread_local float* csum = nullptr;
-      static thread_local int64_t csum_n = 0;
-      const int64_t need = ((blocks + 1) / 2) * 1024;
-      if (csum_n < need) { std::free(csum); csum = static_cast<float*>(std::aligned_alloc(64, need * 4)); csum_n = need; }
-      for (int64_t ot = first; ot < last; ot += 2) {
-        const int at = static_cast<int>(std::min<int64_t>(2, last - ot));
-        for (int64_t k0s = 0; k0s < steps; k0s += kc_steps) {
-          const int64_t ks = std::min(kc_steps, steps - k0s);
-          const bool first_k = k0s == 0, last_k = k0s + ks == steps;
-          const Operand a{w + ot * 16 * ldw + k0s * 32, ldw * 2, 16 * ldw, 32};
-          for (int64_t mb = 0; mb < blocks; mb += 2) {
-            const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
-            const Operand b{xp + mb * in_features * 16 + k0s * 512, 64, in_features * 16, 512};
-            float* part = csum + (mb / 2) * 1024;
-            run_products(at, bt, a, b, ks, first_k ? nullptr : part);
-            if (!last_k) { run_sums(at, bt, part); continue; }
-            if (pending.sums) store(pending);
-            compiler_fence();
-            run_sums(at, bt, tiles[buffer]);
-            pending = Pending{ot, mb, at, bt, tiles[buffer]};
-            buffer ^= 1;
-          }
-        }
-      }
-      if (pending.sums) store(pending);
-      if (stream) _mm_sfence();
-      _tile_release();
-      return;
-    }
     // the block's rows in chunks whose packed part stays in L2 while every row tile of w
     // passes over it (w is read again for each chunk)
     const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);
@@ -433,7 +406,7 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
         if (pending.sums) store(pending);  // while the tile unit multiplies
         compiler_fence();
         run_sums(at, bt, tiles[buffer]);
-        pending = Pending{ot, mb, at, bt, tiles[buffer]};
+        pending = Pending{mb, ot, at, bt, tiles[buffer]};
         buffer ^= 1;
       }
     }
@@ -504,20 +477,16 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
     float* sums = reinterpret_cast<float*>(panel + groups * group_stride);  // [groups][pairs][1024]
     configure_tiles();
     alignas(64) float tiles[2][1024];
-    struct Pending {
-      int64_t m0 = 0, c = 0;
-      int at = 0, bt = 0;
-      const float* sums = nullptr;
-    } pending;
+    Pending pending;  // row: its first row of g (m0), col: its first column past col0 (c)
     auto store = [&](const Pending& block) {
       for (int i = 0; i < block.at; ++i) {
-        const int64_t r0 = block.m0 + 16 * i, n = std::min<int64_t>(16, rows - r0);
+        const int64_t r0 = block.row + 16 * i, n = std::min<int64_t>(16, rows - r0);
         const float* left = block.sums + 2 * i * 256;
         if (!y.f32 && block.bt == 2) {  // tiles (i, 0) and (i, 1): 32 columns of y
-          store_bf16_pair(left, left + 256, y, r0, col0 + block.c, n, false, stream);
+          store_bf16_pair(left, left + 256, y, r0, col0 + block.col, n, false, stream);
           continue;
         }
-        for (int j = 0; j < block.bt; ++j) store_tile(left + j * 256, y, r0, col0 + block.c + 16 * j, n, false, false);
+        for (int j = 0; j < block.bt; ++j) store_tile(left + j * 256, y, r0, col0 + block.col + 16 * j, n, false, false);
       }
     };
     int buffer = 0;
@@ -638,14 +607,10 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
     configure_tiles();
     alignas(64) float tiles[2][1024];
     // a block's results stored while the next block's products run (as in linear)
-    struct Pending {
-      int64_t rt = -1, qt = 0;
-      int ta = 0;
-      const float* sums = nullptr;
-    } pending;
+    Pending pending;  // row: its first row tile of c (rt), col: its first column tile (qt)
     auto store = [&](const Pending& block) {
-      for (int i = 0; i < block.ta; ++i) {
-        const int64_t r0 = (block.rt + i) * 16, q0 = block.qt * 16;
+      for (int i = 0; i < block.at; ++i) {
+        const int64_t r0 = (block.row + i) * 16, q0 = block.col * 16;
         const float* left = block.sums + 2 * i * 256;
         if (c.f32 || accumulate) {
           store_tile(left, c, r0, q0, 16, false, accumulate);
@@ -667,7 +632,7 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
         if (pending.sums) store(pending);
         compiler_fence();
         run_sums(ta, 2, tiles[buffer]);
-        pending = Pending{rt, qt, ta, tiles[buffer]};
+        pending = Pending{rt, qt, ta, 2, tiles[buffer]};
         buffer ^= 1;
       }
     }
@@ -853,9 +818,9 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
 
 #pragma GCC pop_options
 
-// 1 where the products below run on this CPU (AVX-512 and AMX-BF16, enabled by the OS, and
-// the tile state granted to this process), else 0 (then every entry point returns -1).
-extern "C" void moe_ffn_experiment(int v) { g_exp = v; }
+// 1 where the products below run on this CPU (AVX-512, AVX512-BF16 and AMX-BF16, enabled by
+// the OS, and the tile state granted to this process), else 0 (then every entry point
+// returns -1).
 extern "C" int moe_ffn_amx_ready() { return ready() ? 1 : 0; }
 
 // y = x·wᵀ for bf16 x [rows, I] and w [O, I] (row strides ldx, ldw in elements, last dims
