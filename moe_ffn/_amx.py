@@ -19,39 +19,40 @@ torch's bf16 GEMM → this kernel:
                      1144–1491 → 1558–1761, 512 rows 1519–1697 → 1872–2147; 1024 rows mixed
                      (1236–1753 against 1302–1534)
 
-hence the row limits below, moved after the layer's own A/B (forward, or forward+backward,
-interleaved in one process, 9 rounds): the forward from 192 to 320 rows (fine-grained bf16
-forward T = 2048, ~256-row blocks: 71.3 → 66.0 ms; Mixtral T = 1024 38.4 → 35.5; level at
-T = 2048, 512-row blocks, where sending those too lost: 65.3 → 69.3), input gradients
-through the fine-grained shape's weights (≤ 2^20 elements) to 320 rows (fine-grained bf16
-forward+backward T = 2048: 233.8 → 220.2 ms; through Mixtral's 2^21–2^23-element weights
-256-row blocks lost: 123.3 → 127.0 at T = 1024), and weight gradients from 512 to 1024
-rows on 2026-12-04, after the stores below: blocks of 549 / 768 / 1024 rows through 7168×1024
-1870 / 1459 / 1309 GFLOP/s against torch's 1088 / 1126 / 1215, through 1024×1024 at 768 /
-1024 rows 1427 / 1144 against 1038 / 1052 (1300 rows level, 2048 rows 742 against 1030);
-bf16 forward+backward (interleaved, 7 rounds) Mixtral T = 2048 / 3072 / 4096 1.07 / 1.14 /
-1.01×, fine-grained T = 6144 / 8192 1.11 / 1.01×; on the same day the forward from 320 to
-640 rows and the fine-grained input gradients from 320 to 768 (torch → this kernel: forward
-7168×1024 at 256 / 384 / 549 rows 1238 / 1452 / 1408 → 1781 / 1726 / 1709 GFLOP/s, 768 rows
-1128 → 1014, behind; input gradients through 1024×512 at 512 / 768 rows 966 / 1027 → 1549 /
-1532, through Mixtral's weights at 256–549 rows 0.76–1.04×, left at 128): bf16 forward
-Mixtral T = 2048 1.09×, fine-grained T = 4096 1.23×; forward+backward Mixtral T = 2048
-1.03×, fine-grained T = 4096 / 6144 1.13 / 1.03×, Mixtral T = 1024 level. Then both to
-1024 rows through fine-grained weights (forward 1024×1024 at 1024 rows 937–1009 → 1775–1796,
-1024×512 level; input gradients 1024×512 1.25×, 512×1024 0.98×): bf16 forward fine-grained
-T = 6144 / 8192 1.16 / 1.21×, forward+backward T = 8192 1.06× (forward) and 1.02× (input
-gradients, twice). The forward's then to 1280 rows: torch's GEMM through 1024×1024 runs
-974–1084 GFLOP/s at 1100–1300 rows (1705–1780 at 550–650, 1865–1914 at 1500–2048), the
-kernel 1704–1802 (1827 / 1799 at 1500 / 2048: behind from there, and through 1024×512 level
-at 1100 rows, 0.88–0.91× from 1500); fine-grained T = 8192, whose blocks lie around 1024
-rows: forward 1.03×, forward+backward 1.025×. bf16 results are stored a whole 64-byte line
-at a time (two tiles' rows side by side; tile by tile, the forward through 1024×512 at 256
-rows spent 45 % of its time storing), past the caches for results from 2^12 elements
-(forward and input gradients) and weight gradients from 2^19 (_amx.cpp's store_bf16_pair,
-kStreamResult and kStreamElements say why), rounded by AVX512-BF16's instruction (a line with
-a NaN by the integer steps, for torch's NaN bits), each block's results while the next block's
-tile products run (stored right after their own, storing and multiplying added up: `linear`
-in _amx.cpp has the numbers).
+bf16 results are stored a whole 64-byte line at a time (two tiles' rows side by side; tile
+by tile, the forward through 1024×512 at 256 rows spent 45 % of its time storing), past the
+caches for results from 2^12 elements (forward and input gradients) and weight gradients
+from 2^19 (_amx.cpp's store_bf16_pair, kStreamResult and kStreamElements say why), rounded
+by AVX512-BF16's instruction (a line with a NaN by the integer steps, for torch's NaN bits),
+each block's results while the next block's tile products run (stored right after their own,
+storing and multiplying added up: `linear` in _amx.cpp has the numbers).
+
+Hence the row limits below, each moved after the layer's own A/B (forward, or
+forward+backward, interleaved in one process, 7–9 rounds):
+- forward (FORWARD_MAX_ROWS, FORWARD_SMALL_WEIGHT): 192 → 320 rows on 2026-12-01
+  (fine-grained bf16 forward T = 2048, ~256-row blocks: 71.3 → 66.0 ms; Mixtral T = 1024 38.4
+  → 35.5; 512-row blocks then lost: 65.3 → 69.3 at T = 2048); 320 → 640 on 2026-12-04, after
+  the stores above (torch → this kernel, 7168×1024 at 256 / 384 / 549 rows 1238 / 1452 / 1408
+  → 1781 / 1726 / 1709 GFLOP/s, behind from 768 rows: 1128 → 1014; forward Mixtral T = 2048
+  1.09×, forward+backward 1.03×, Mixtral T = 1024 level); through fine-grained weights (≤ 2^20
+  elements) to 1280 rows, where torch's GEMM through 1024×1024 dips (937–1084 GFLOP/s at
+  1024–1300 rows, 1705–1780 at 550–650, 1865–1914 at 1500–2048) and the kernel runs
+  1704–1802 (behind from 1500 rows; 1024×512 level at 1100 rows): forward fine-grained T =
+  4096 (320 → 640) 1.23×, T = 6144 / 8192 (640 → 1024) 1.16 / 1.21×, T = 8192 (1024 → 1280)
+  1.03× more; forward+backward T = 8192 1.06× and 1.025×.
+- input gradients (INPUT_GRAD_MAX_ROWS, INPUT_GRAD_SMALL_WEIGHT): 128 rows through Mixtral's
+  2^21–2^23-element weights (256-row blocks lost on 2026-12-01, 123.3 → 127.0 ms at T =
+  1024, and were level on 2026-12-04, 0.76–1.04× per product at 256–549 rows); through
+  fine-grained weights 320 rows on 2026-12-01 (forward+backward T = 2048: 233.8 → 220.2 ms),
+  1024 on 2026-12-04 (1024×512 at 512 / 768 / 1024 rows 966 / 1027 / 1045–1074 → 1549 / 1532
+  / 1243–1307 GFLOP/s, 512×1024 1.12 / 1.02 / 0.98×; to 768 rows together with the forward's
+  320 → 640 in one A/B: forward+backward fine-grained T = 4096 / 6144 1.13 / 1.03×; 768 →
+  1024 at T = 8192 1.02×, twice).
+- weight gradients (WEIGHT_GRAD_MAX_ROWS): 512 rows on 2026-12-01, 1024 on 2026-12-04
+  (7168×1024 at 549 / 768 / 1024 rows 1088 / 1126 / 1215 → 1870 / 1459 / 1309 GFLOP/s,
+  1024×1024 at 768 / 1024 rows 1038 / 1052 → 1427 / 1144, level at 1300 rows, 2048 rows 1030
+  → 742; forward+backward Mixtral T = 2048 / 3072 / 4096 1.07 / 1.14 / 1.01×, fine-grained
+  T = 6144 / 8192 1.11 / 1.01×).
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every
