@@ -325,6 +325,34 @@ struct Pending {
   const float* sums = nullptr;
 };
 
+// A thread's two sums buffers and the block waiting in one of them. After a block's products
+// are issued, `next` stores the waiting block (`store(const Pending&)`, vector work done while
+// the tile unit multiplies), then saves the new block's sums to the free buffer (unless they
+// are there already, `saved`: written by run_block into `free_buffer()`), and makes it wait.
+struct LateStores {
+  alignas(64) float tiles[2][1024];
+  Pending pending;
+  int buffer = 0;
+
+  float* free_buffer() { return tiles[buffer]; }
+
+  template <typename Store>
+  void next(const Store& store, Pending block, bool saved = false) {
+    if (pending.sums) store(pending);
+    compiler_fence();
+    if (!saved) run_sums(block.at, block.bt, tiles[buffer]);
+    block.sums = tiles[buffer];
+    pending = block;
+    buffer ^= 1;
+  }
+
+  template <typename Store>
+  void finish(const Store& store) {
+    if (pending.sums) store(pending);
+    pending = Pending{};
+  }
+};
+
 // x [rows, I] as the B operand: per block of 16 rows, I/2 pair rows of 16 units (x's 32-bit
 // units transposed), rows past `rows` zero. blocks·I·16 elements.
 void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t in_features, int64_t b0, int64_t b1,
@@ -378,8 +406,7 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
     // 1.05×, the rest level. Layer bf16, interleaved, 13 rounds: forward+backward Mixtral
     // T = 16 / 256 / 2048 1.03 / 1.04 / 1.005×, fine-grained T = 256 / 2048 1.03 / 1.02×;
     // forward Mixtral T = 256 1.03×, fine-grained T = 2048 1.05×.
-    alignas(64) float tiles[2][1024];
-    Pending pending;  // row: its first row tile of x (mb), col: of w (ot)
+    LateStores late;  // a block's row: its first row tile of x (mb), col: of w (ot)
     auto store = [&](const Pending& block) {
       for (int j = 0; j < block.bt; ++j) {
         const int64_t m0 = (block.row + j) * 16, n = std::min<int64_t>(16, rows - m0);
@@ -391,7 +418,6 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
           store_tile(block.sums + (2 * i + j) * 256, y, m0, (block.col + i) * 16, n, true, false);
       }
     };
-    int buffer = 0;
     // the block's rows in chunks whose packed part stays in L2 while every row tile of w
     // passes over it (w is read again for each chunk)
     const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);
@@ -403,14 +429,10 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
         const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
         const Operand b{xp + mb * in_features * 16, 64, in_features * 16, 512};
         run_products(at, bt, a, b, steps);
-        if (pending.sums) store(pending);  // while the tile unit multiplies
-        compiler_fence();
-        run_sums(at, bt, tiles[buffer]);
-        pending = Pending{mb, ot, at, bt, tiles[buffer]};
-        buffer ^= 1;
+        late.next(store, Pending{mb, ot, at, bt});
       }
     }
-    if (pending.sums) store(pending);
+    late.finish(store);
     if (stream) _mm_sfence();
     _tile_release();
   });
@@ -476,8 +498,7 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
     uint16_t* panel = memory + per_thread * t;                          // [groups][chunk/2][32][2]
     float* sums = reinterpret_cast<float*>(panel + groups * group_stride);  // [groups][pairs][1024]
     configure_tiles();
-    alignas(64) float tiles[2][1024];
-    Pending pending;  // row: its first row of g (m0), col: its first column past col0 (c)
+    LateStores late;  // a block's row: its first row of g (m0), col: its first column past col0 (c)
     auto store = [&](const Pending& block) {
       for (int i = 0; i < block.at; ++i) {
         const int64_t r0 = block.row + 16 * i, n = std::min<int64_t>(16, rows - r0);
@@ -489,7 +510,6 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
         for (int j = 0; j < block.bt; ++j) store_tile(left + j * 256, y, r0, col0 + block.col + 16 * j, n, false, false);
       }
     };
-    int buffer = 0;
     for (int64_t k0 = 0; k0 < out_features; k0 += chunk) {
       const int64_t k1 = std::min(out_features, k0 + chunk), steps = (k1 - k0) / 32;
       const bool first_chunk = k0 == 0, last_chunk = k1 == out_features;
@@ -503,7 +523,7 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
           const int at = static_cast<int>(std::min<int64_t>(2, blocks - mb));
           const int64_t m0 = mb * 16;
           float* partial = sums + ((c / 32) * pairs + mb / 2) * 1024;
-          float* out = last_chunk ? tiles[buffer] : partial;
+          float* out = last_chunk ? late.free_buffer() : partial;
           const float* init = first_chunk ? nullptr : partial;
           // rows of the copied tail block come from `tail` (only ever the last block)
           const bool last_in_tail = m0 + 16 * at > full;
@@ -519,18 +539,15 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
           } else {
             run_products(at, bt, a, b, steps, init);
           }
-          // the last chunk's results: the previous block's stored while these products run
-          // (as in linear)
-          if (last_chunk && pending.sums) store(pending);
-          compiler_fence();
-          if (!last_in_tail) run_sums(at, bt, out);
-          if (!last_chunk) continue;
-          pending = Pending{m0, c, at, bt, out};
-          buffer ^= 1;
+          if (last_chunk) {  // the previous block stored while these products run
+            late.next(store, Pending{m0, c, at, bt}, last_in_tail);
+          } else if (!last_in_tail) {
+            run_sums(at, bt, out);
+          }
         }
       }
     }
-    if (pending.sums) store(pending);
+    late.finish(store);
     if (stream) _mm_sfence();
     _tile_release();
   });
@@ -605,9 +622,8 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
     share(r_tiles, 2, t, n, &first, &last);
     if (first >= last) return;
     configure_tiles();
-    alignas(64) float tiles[2][1024];
     // a block's results stored while the next block's products run (as in linear)
-    Pending pending;  // row: its first row tile of c (rt), col: its first column tile (qt)
+    LateStores late;  // a block's row: its first row tile of c (rt), col: its first column tile (qt)
     auto store = [&](const Pending& block) {
       for (int i = 0; i < block.at; ++i) {
         const int64_t r0 = (block.row + i) * 16, q0 = block.col * 16;
@@ -620,7 +636,6 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
         }
       }
     };
-    int buffer = 0;
     // b's columns in chunks whose packed part stays in L2 while every row tile of a passes
     for (int64_t q0 = 0; q0 < q_tiles; q0 += chunk_tiles)
     for (int64_t rt = first; rt < last; rt += 2) {
@@ -629,14 +644,10 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
       for (int64_t qt = q0; qt < std::min(q_tiles, q0 + chunk_tiles); qt += 2) {
         const Operand ob{bv + qt * 16 * 2, q_count * 4, 32, 32 * q_count};
         run_products(ta, 2, oa, ob, steps);
-        if (pending.sums) store(pending);
-        compiler_fence();
-        run_sums(ta, 2, tiles[buffer]);
-        pending = Pending{rt, qt, ta, 2, tiles[buffer]};
-        buffer ^= 1;
+        late.next(store, Pending{rt, qt, ta, 2});
       }
     }
-    if (pending.sums) store(pending);
+    late.finish(store);
     if (stream) _mm_sfence();
     _tile_release();
   });

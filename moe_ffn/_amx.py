@@ -178,10 +178,15 @@ def takes_forward(weight_shape: tuple[int, int]) -> bool:
     return O > 0 and O % 16 == 0 and I > 0 and I % 32 == 0 and available()
 
 
+def _max_rows(w_OI_shape: tuple[int, int], small_weight: tuple[int, int], most: int) -> int:
+    """small_weight[0] rows through a weight of at most small_weight[1] elements, else `most`."""
+    O, I = w_OI_shape
+    return small_weight[0] if O * I <= small_weight[1] else most
+
+
 def forward_max_rows(w_OI_shape: tuple[int, int]) -> int:
     """The most rows of a block that `linear_into` takes through a weight [O, I]."""
-    O, I = w_OI_shape
-    return FORWARD_SMALL_WEIGHT[0] if O * I <= FORWARD_SMALL_WEIGHT[1] else FORWARD_MAX_ROWS
+    return _max_rows(w_OI_shape, FORWARD_SMALL_WEIGHT, FORWARD_MAX_ROWS)
 
 
 def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
@@ -262,8 +267,7 @@ def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int,
 
 def input_grad_max_rows(w_OI_shape: tuple[int, int]) -> int:
     """The most rows of a block whose input gradient `input_grad` takes through a weight [O, I]."""
-    O, I = w_OI_shape
-    return INPUT_GRAD_SMALL_WEIGHT[0] if O * I <= INPUT_GRAD_SMALL_WEIGHT[1] else INPUT_GRAD_MAX_ROWS
+    return _max_rows(w_OI_shape, INPUT_GRAD_SMALL_WEIGHT, INPUT_GRAD_MAX_ROWS)
 
 
 def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:

@@ -1049,10 +1049,9 @@ def _forward_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor
     rest = blocks
     if b_EO is None and cdt == x.dtype == out.dtype == torch.bfloat16:
         # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_product_blocks)
-        most = _amx.forward_max_rows(tuple(w_EOI.shape[1:]))
-        fits = [blk for blk in blocks if blk[2] - blk[1] <= most]
-        if fits and _amx.linear_blocks(out, x, w_EOI, fits):
-            rest = [blk for blk in blocks if blk[2] - blk[1] > most]
+        fits = _kernel_subset(blocks, _amx.forward_max_rows(tuple(w_EOI.shape[1:])))
+        if any(fits) and _amx.linear_blocks(out, x, w_EOI, [blk for blk, f in zip(blocks, fits) if f]):
+            rest = [blk for blk, f in zip(blocks, fits) if not f]
     if b_EO is None and rest is blocks:
         if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out) is not None:
             return
