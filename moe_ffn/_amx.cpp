@@ -353,17 +353,26 @@ struct LateStores {
   }
 };
 
+// The rows of a product's operand where they lie: row m at base + m·ld, or, with an index, the
+// rows of a larger tensor it picks (base + index[m]·ld): a routed layer's token rows gathered by
+// the packing below, which copies the rows anyway, rather than by a pass of their own.
+struct Rows {
+  const uint16_t* base;
+  int64_t ld;
+  const int64_t* index;  // null: rows in order
+  const uint16_t* row(int64_t m) const { return base + (index ? index[m] : m) * ld; }
+};
+
 // x [rows, I] as the B operand: per block of 16 rows, I/2 pair rows of 16 units (x's 32-bit
 // units transposed), rows past `rows` zero. blocks·I·16 elements.
-void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t in_features, int64_t b0, int64_t b1,
-                          uint16_t* dst) {
+void pack_rows_transposed(const Rows& x, int64_t rows, int64_t in_features, int64_t b0, int64_t b1, uint16_t* dst) {
   const int64_t units = in_features / 2;
   for (int64_t mb = b0; mb < b1; ++mb)
     for (int64_t u0 = 0; u0 < units; u0 += 16) {
       __m512i v[16];
       for (int r = 0; r < 16; ++r) {
         const int64_t m = mb * 16 + r;
-        v[r] = m < rows ? _mm512_loadu_si512(x + m * ldx + 2 * u0) : _mm512_setzero_si512();
+        v[r] = m < rows ? _mm512_loadu_si512(x.row(m) + 2 * u0) : _mm512_setzero_si512();
       }
       transpose16(v);
       uint16_t* at = dst + (mb * units + u0) * 32;
@@ -373,8 +382,8 @@ void pack_rows_transposed(const uint16_t* x, int64_t ldx, int64_t rows, int64_t 
 
 constexpr int64_t kRowChunkBytes = int64_t{1} << 19;  // packed rows of x per chunk (in L2)
 
-int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
-           int64_t out_features, int64_t in_features, int threads, const Team& team) {
+int linear(const Rows& x, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows, int64_t out_features,
+           int64_t in_features, int threads, const Team& team) {
   if (!ready() || rows < 1 || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 ||
       threads < 1)
     return -1;
@@ -384,7 +393,7 @@ int linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const
   on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
     int64_t b0, b1;
     share(blocks, 1, t, n, &b0, &b1);
-    pack_rows_transposed(x, ldx, rows, in_features, b0, b1, xp);
+    pack_rows_transposed(x, rows, in_features, b0, b1, xp);
   });
   const int64_t o_tiles = out_features / 16, steps = in_features / 32;
   const bool stream = stream_result(y, rows * out_features);
@@ -577,12 +586,13 @@ void pack_transposed(const uint16_t* a, int64_t lda, int64_t rows, int64_t r0, i
 }
 
 // b [rows, Q] into pair layout bv [depth/2][Q][2], rows past `rows` zero; pair rows p0..p1.
-void pack_pairs(const uint16_t* b, int64_t ldb, int64_t rows, int64_t cols, int64_t p0, int64_t p1, uint16_t* bv) {
+void pack_pairs(const Rows& b, int64_t rows, int64_t cols, int64_t p0, int64_t p1, uint16_t* bv) {
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t q = 0; q < cols; q += 32) {
       const int64_t n = std::min<int64_t>(32, cols - q);
       __m512i lo, hi;
-      interleave(load_row(b + 2 * p * ldb + q, n, 2 * p < rows), load_row(b + (2 * p + 1) * ldb + q, n, 2 * p + 1 < rows),
+      const bool even = 2 * p < rows, odd = 2 * p + 1 < rows;  // (rows past `rows` not read)
+      interleave(load_row(even ? b.row(2 * p) + q : nullptr, n, even), load_row(odd ? b.row(2 * p + 1) + q : nullptr, n, odd),
                  &lo, &hi);
       _mm512_storeu_si512(bv + (p * cols + q) * 2, lo);
       if (n > 16) _mm512_storeu_si512(bv + (p * cols + q) * 2 + 32, hi);
@@ -598,7 +608,7 @@ void pack_pairs(const uint16_t* b, int64_t ldb, int64_t rows, int64_t cols, int6
 // T = 256 67.7 / 71.4 → 61.8 / 61.2; from 2^17, level with 2^19.
 constexpr int64_t kStreamElements = int64_t{1} << 19;
 
-int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, const Out& c, int64_t rows,
+int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
   if (!ready() || rows < 1 || r_count < 16 || r_count % 16 || q_count < 32 || q_count % 32 || threads < 1) return -1;
   const int64_t depth = (rows + 31) / 32 * 32;
@@ -612,7 +622,7 @@ int weight_grad(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, 
     share(r_tiles, 1, t, n, &first, &last);
     pack_transposed(a, lda, rows, first * 16, last * 16, depth, at);
     share(depth / 2, 1, t, n, &first, &last);
-    pack_pairs(b, ldb, rows, q_count, first, last, bv);
+    pack_pairs(b, rows, q_count, first, last, bv);
   });
   const bool stream = !accumulate && stream_result(c, r_count * q_count, kStreamElements);
   const int64_t q_tiles = q_count / 16;
@@ -840,7 +850,7 @@ extern "C" int moe_ffn_amx_ready() { return ready() ? 1 : 0; }
 extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, void* y, int64_t ldy,
                                   int y_f32, int64_t rows, int64_t out_features, int64_t in_features, int threads,
                                   void* parallel, void* thread_num, void* num_threads) {
-  return linear(x, ldx, w, ldw, Out{y, ldy, y_f32 != 0}, rows, out_features, in_features, threads,
+  return linear(Rows{x, ldx, nullptr}, w, ldw, Out{y, ldy, y_f32 != 0}, rows, out_features, in_features, threads,
                 make_team(parallel, thread_num, num_threads));
 }
 
@@ -852,33 +862,53 @@ extern "C" int moe_ffn_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t
 // or -1 with nothing run where an entry does not fit (moe_ffn_team::each_block; every block
 // needs a row) or the shapes are not taken (the first block's product declines before it
 // writes).
+//
+// An operand given with an index (not null) is a routed layer's token rows: row n of the blocks'
+// order is row index[n] of the operand's `source_rows` (the packing gathers them; -1 with
+// nothing run where an index of a block's rows is out of range).
+bool indexes_fit(const int64_t* index, int64_t source_rows, const int64_t* blocks, int64_t count) {
+  if (!index) return true;
+  for (int64_t i = 0; i < count; ++i)
+    if (blocks[4 * i + 1] < 0) return false;  // (each_block declines it)
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t n = blocks[4 * i + 1]; n < blocks[4 * i + 2]; ++n)
+      if (index[n] < 0 || index[n] >= source_rows) return false;
+  return true;
+}
 
-// Forward blocks (input_grad 0): y[start:stop] = x[start:stop]·w_eᵀ, w_e = w + e·w_expert; input
-// gradient blocks (input_grad 1): y[start:stop] = x[start:stop]·w_e (x the output gradient).
-// bf16 y.
-extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t* x, int64_t ldx, const uint16_t* w,
-                                          int64_t experts, int64_t w_expert, int64_t ldw, uint16_t* y, int64_t ldy,
-                                          const int64_t* blocks, int64_t count, int64_t out_features,
-                                          int64_t in_features, int threads, void* parallel, void* thread_num,
-                                          void* num_threads) {
+// Forward blocks (input_grad 0): y[start:stop] = x[start:stop]·w_eᵀ, w_e = w + e·w_expert, x's
+// rows by `index` where given; input gradient blocks (input_grad 1, no index): y[start:stop] =
+// x[start:stop]·w_e (x the output gradient). bf16 y.
+extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t* x, int64_t ldx, const int64_t* index,
+                                          int64_t source_rows, const uint16_t* w, int64_t experts, int64_t w_expert,
+                                          int64_t ldw, uint16_t* y, int64_t ldy, const int64_t* blocks, int64_t count,
+                                          int64_t out_features, int64_t in_features, int threads, void* parallel,
+                                          void* thread_num, void* num_threads) {
+  if ((input_grad_blocks && index) || count < 0 || !indexes_fit(index, source_rows, blocks, count)) return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  const auto product = input_grad_blocks ? input_grad : linear;
   return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
-    return product(x + start * ldx, ldx, w + e * w_expert, ldw, Out{y + start * ldy, ldy, false}, rows, out_features,
-                   in_features, threads, team);
+    const Out out{y + start * ldy, ldy, false};
+    if (input_grad_blocks)
+      return input_grad(x + start * ldx, ldx, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
+    const Rows rows_x = index ? Rows{x, ldx, index + start} : Rows{x + start * ldx, ldx, nullptr};
+    return linear(rows_x, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
   }, 1);
 }
 
-// Weight gradient blocks: c_e = a[start:stop]ᵀ·b[start:stop] (c_e = c + e·c_expert, bf16),
-// added to what c_e holds where the entry's flag is set (a second block of the same expert).
+// Weight gradient blocks: c_e = a[start:stop]ᵀ·b[start:stop] (c_e = c + e·c_expert, bf16; b's
+// rows by `b_index` where given), added to what c_e holds where the entry's flag is set (a second
+// block of the same expert).
 extern "C" int moe_ffn_amx_weight_grad_blocks(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                                              uint16_t* c, int64_t experts, int64_t c_expert, int64_t ldc,
-                                              const int64_t* blocks, int64_t count, int64_t r_count, int64_t q_count,
-                                              int threads, void* parallel, void* thread_num, void* num_threads) {
+                                              const int64_t* b_index, int64_t b_source_rows, uint16_t* c,
+                                              int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks,
+                                              int64_t count, int64_t r_count, int64_t q_count, int threads,
+                                              void* parallel, void* thread_num, void* num_threads) {
+  if (count < 0 || !indexes_fit(b_index, b_source_rows, blocks, count)) return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
   return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool add) {
-    return weight_grad(a + start * lda, lda, b + start * ldb, ldb, Out{c + e * c_expert, ldc, false}, rows, r_count,
-                       q_count, add, threads, team);
+    const Rows rows_b = b_index ? Rows{b, ldb, b_index + start} : Rows{b + start * ldb, ldb, nullptr};
+    return weight_grad(a + start * lda, lda, rows_b, Out{c + e * c_expert, ldc, false}, rows, r_count, q_count, add,
+                       threads, team);
   }, 1);
 }
 
@@ -896,7 +926,7 @@ extern "C" int moe_ffn_amx_weight_grad(const uint16_t* a, int64_t lda, const uin
                                        int64_t ldc, int c_f32, int64_t rows, int64_t r_count, int64_t q_count,
                                        int accumulate, int threads, void* parallel, void* thread_num,
                                        void* num_threads) {
-  return weight_grad(a, lda, b, ldb, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0, threads,
+  return weight_grad(a, lda, Rows{b, ldb, nullptr}, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0, threads,
                      make_team(parallel, thread_num, num_threads));
 }
 

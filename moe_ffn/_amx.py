@@ -59,7 +59,10 @@ bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit 
 tensor is a bf16 CPU tensor with contiguous rows and the shapes fit the tiles (the weight's
 dims multiples of 32, or 16 for the forward's out-features); a group's blocks go in one call
 of the *_blocks entry points (`linear_blocks`, `input_grad_blocks`, `weight_grad_blocks`),
-which loop over them in C++: the Python around a call per block cost ~20–35 µs a block. On
+which loop over them in C++: the Python around a call per block cost ~20–35 µs a block. The
+forward and the weight gradient's b take a routed layer's token rows by index (`index`,
+`b_index`): the packing that copies the block's rows anyway gathers them, where a separate
+gather wrote a [rows, D] copy first. On
 the 2-core Xeon (2026-12-04; against a call per block, interleaved A/B in one process, 7–9
 rounds, pair-ratio medians), bf16 forward+backward fine-grained T = 1 / 16 / 256 / 2048
 1.21 / 1.31 / 1.38 / 1.09×, Mixtral 1.13 / 1.08 / 1.04 / 1.005×.
@@ -219,10 +222,10 @@ def _blocks_entry_point(name: str):
     if fn is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    if name == "weight_grad":  # (a, lda, b, ldb, c, experts, c_expert, ldc, ...)
-        head = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
-    else:  # (input_grad, x, ldx, w, experts, w_expert, ldw, y, ldy, ...)
-        head = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, i64]
+    if name == "weight_grad":  # (a, lda, b, ldb, b_index, b_source_rows, c, experts, c_expert, ldc, ...)
+        head = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64]
+    else:  # (input_grad, x, ldx, index, source_rows, w, experts, w_expert, ldw, y, ldy, ...)
+        head = [c_int, ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64]
     fn.argtypes = head + [ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
     fn.restype = c_int
     return fn
@@ -233,13 +236,29 @@ def _run_blocks(fn, openmp, head: tuple, blocks, flags, dims: tuple[int, int]) -
     return fn(*head, table.buffer_info()[0], len(blocks), *dims, torch.get_num_threads(), *openmp) == 0
 
 
-def _product_blocks(name: str, out: Tensor, src: Tensor, w_EOI: Tensor, blocks, most: int, takes: bool, dims: tuple) -> bool:
+def _index_fits(index: Optional[Tensor]) -> bool:
+    return index is None or (index.dtype == torch.int64 and index.dim() == 1 and index.device.type == "cpu" and index.is_contiguous())
+
+
+def _index_args(index: Optional[Tensor], src: Tensor) -> tuple:
+    """(index pointer, the source's rows) for an entry point; the kernel declines (nothing run)
+    where an index of the blocks' rows is not a row of src."""
+    return (None, src.shape[0]) if index is None else (index.data_ptr(), src.shape[0])
+
+
+def _product_blocks(
+    name: str, out: Tensor, src: Tensor, w_EOI: Tensor, blocks, most: int, takes: bool, dims: tuple,
+    index: Optional[Tensor] = None,
+) -> bool:
     """out[start:stop] from src[start:stop] through w_EOI[e] for every block, in one call of
     moe_ffn_amx_product_blocks (name "linear": the forward src·wᵀ; "input_grad": src·w; dims the
     weight's (O, I) either way); whether it ran (`out` untouched otherwise): bf16 tensors, the
-    weight's dims taken (`takes`), every block of 1 to `most` rows."""
-    if not (takes and blocks and _bf16(src, w_EOI, out) and w_EOI.stride(2) == 1):
+    weight's dims taken (`takes`), every block of 1 to `most` rows. `index` (the forward only):
+    row n of the blocks' order is src[index[n]]."""
+    if not (takes and blocks and _bf16(src, w_EOI, out) and w_EOI.stride(2) == 1 and _index_fits(index)):
         return False
+    if index is not None and name != "linear":
+        raise ValueError(f"amx.{name}_blocks takes no index")
     if not all(0 < stop - start <= most for _, start, stop in blocks):
         return False
     fn, openmp = _blocks_entry_point("product"), _openmp((src,), out)
@@ -248,21 +267,26 @@ def _product_blocks(name: str, out: Tensor, src: Tensor, w_EOI: Tensor, blocks, 
     src_cols, out_cols = dims if name == "input_grad" else dims[::-1]
     fits = src.shape[1] == src_cols and out.shape[1] == out_cols
     shapes = f"{tuple(src.shape)}, {tuple(w_EOI.shape)}, {tuple(out.shape)}"
-    _small_gemm._check_blocks(f"amx.{name}_blocks", blocks, min(src.shape[0], out.shape[0]) if fits else -1, w_EOI.shape[0], shapes)
+    src_rows = src.shape[0] if index is None else index.shape[0]
+    _small_gemm._check_blocks(f"amx.{name}_blocks", blocks, min(src_rows, out.shape[0]) if fits else -1, w_EOI.shape[0], shapes)
     head = (
-        int(name == "input_grad"), src.data_ptr(), src.stride(0), w_EOI.data_ptr(), w_EOI.shape[0], w_EOI.stride(0),
-        w_EOI.stride(1), out.data_ptr(), out.stride(0),
+        int(name == "input_grad"), src.data_ptr(), src.stride(0), *_index_args(index, src), w_EOI.data_ptr(),
+        w_EOI.shape[0], w_EOI.stride(0), w_EOI.stride(1), out.data_ptr(), out.stride(0),
     )
     return _run_blocks(fn, openmp, head, blocks, [0] * len(blocks), dims)
 
 
-def linear_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+def linear_blocks(
+    out: Tensor, x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], index: Optional[Tensor] = None
+) -> bool:
     """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ for every block (e, start, stop), in one call,
     each block's sums the ones `linear_into` forms for it; returns whether it ran (when False,
-    `out` is untouched): bf16 x, w_EOI and out, every block of 1 to `forward_max_rows` rows."""
+    `out` is untouched): bf16 x, w_EOI and out, every block of 1 to `forward_max_rows` rows.
+    With `index` (int64 [n]), row n of the blocks' order is x[index[n]]: a routed layer's token
+    rows, gathered as the kernel packs them (False where an index is out of range)."""
     dims = tuple(w_EOI.shape[1:])
     takes = w_EOI.dim() == 3 and takes_forward(dims)
-    return _product_blocks("linear", out, x, w_EOI, blocks, forward_max_rows(dims) if takes else 0, takes, dims)
+    return _product_blocks("linear", out, x, w_EOI, blocks, forward_max_rows(dims) if takes else 0, takes, dims, index)
 
 
 def input_grad_max_rows(w_OI_shape: tuple[int, int]) -> int:
@@ -279,12 +303,16 @@ def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[
     return _product_blocks("input_grad", out, g, w_EOI, blocks, input_grad_max_rows(dims) if takes else 0, takes, dims)
 
 
-def weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], again: list[bool]) -> bool:
+def weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], again: list[bool],
+    b_index: Optional[Tensor] = None,
+) -> bool:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block, added to what out_EMN[e] holds
     where `again` says so, in one call, each as `weight_grad_into` forms it; returns whether it
     ran (`out_EMN` untouched otherwise): bf16 a [rows, M], b [rows, N] and out_EMN, every block
-    of 1 to WEIGHT_GRAD_MAX_ROWS rows."""
-    if not (blocks and out_EMN.dim() == 3 and _bf16(a, b, out_EMN) and out_EMN.stride(2) == 1):
+    of 1 to WEIGHT_GRAD_MAX_ROWS rows. With `b_index`, row n of b is b[b_index[n]] (as
+    `linear_blocks`' index)."""
+    if not (blocks and out_EMN.dim() == 3 and _bf16(a, b, out_EMN) and out_EMN.stride(2) == 1 and _index_fits(b_index)):
         return False
     E, M, N = out_EMN.shape
     if not (M > 0 and M % 16 == 0 and N > 0 and N % 32 == 0 and all(0 < stop - start <= WEIGHT_GRAD_MAX_ROWS for _, start, stop in blocks)):
@@ -294,8 +322,12 @@ def weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple
         return False
     fits = a.shape[1] == M and b.shape[1] == N
     shapes = f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(out_EMN.shape)}"
-    _small_gemm._check_blocks("amx.weight_grad_blocks", blocks, min(a.shape[0], b.shape[0]) if fits else -1, E, shapes)
-    head = (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1))
+    b_rows = b.shape[0] if b_index is None else b_index.shape[0]
+    _small_gemm._check_blocks("amx.weight_grad_blocks", blocks, min(a.shape[0], b_rows) if fits else -1, E, shapes)
+    head = (
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *_index_args(b_index, b), out_EMN.data_ptr(), E,
+        out_EMN.stride(0), out_EMN.stride(1),
+    )
     return _run_blocks(fn, openmp, head, blocks, again, (M, N))
 
 

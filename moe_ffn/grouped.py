@@ -1035,8 +1035,13 @@ def _sum_by_token(out: Tensor, token_N: Tensor, rows_ND: Tensor, weight_N: Optio
     return out.index_add_(0, token_N, rows_ND.to(acc) if weight_N is None else torch.mul(rows_ND, weight_N[:, None]))
 
 
-def _forward_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor], blocks: list, cdt: torch.dtype) -> None:
-    """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ (+ b_EO[e]) for every block (e, start, stop):
+def _forward_blocks(
+    out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor], blocks: list, cdt: torch.dtype,
+    token_n: Optional[Tensor] = None,
+) -> None:
+    """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ (+ b_EO[e]) for every block (e, start, stop)
+    (token_n given: x is the tokens' x_TD and row n of the blocks is x[token_n[n]], gathered as
+    `_amx.linear_blocks` packs its blocks' rows, or for the blocks it leaves, by `_rows`):
     in one call of `_small_gemm.linear_blocks` where it takes them all; where it declines for
     its float32 blocks' sizes, the blocks of up to `float32_blocks_max_rows` rows in one call and
     the larger ones one by one (the same sums either way: each block on the kernel that
@@ -1050,8 +1055,12 @@ def _forward_blocks(out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor
     if b_EO is None and cdt == x.dtype == out.dtype == torch.bfloat16:
         # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_product_blocks)
         fits = _kernel_subset(blocks, _amx.forward_max_rows(tuple(w_EOI.shape[1:])))
-        if any(fits) and _amx.linear_blocks(out, x, w_EOI, [blk for blk, f in zip(blocks, fits) if f]):
+        if any(fits) and _amx.linear_blocks(out, x, w_EOI, [blk for blk, f in zip(blocks, fits) if f], index=token_n):
             rest = [blk for blk, f in zip(blocks, fits) if not f]
+    if not rest:
+        return
+    if token_n is not None:
+        x = _rows(x, token_n, 0, token_n.shape[0])
     if b_EO is None and rest is blocks:
         if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out) is not None:
             return
@@ -1070,7 +1079,7 @@ def _ffn_forward(
 
     token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
     token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
-    are gathered and computed, and each token's rows scaled by weight_N and summed in weight_N's
+    are gathered (by the first projection's kernel where it can) and computed, and each token's rows scaled by weight_N and summed in weight_N's
     dtype (token by token at the end, or group by group: see _SLOT_ROWS_MAX_BYTES); returns
     (out_TD, h_NH), out_TD summed in weight_N's dtype and rounded once to `out_dtype` (default
     weight_N's). The gathered rows live for one group only.
@@ -1123,9 +1132,14 @@ def _ffn_forward(
         first, last = group[0][1], group[-1][2]
         if keep_h:
             h_gH = h_NH[first:last]
-        x_gD = _rows(x, token_N, first, last)
-        _forward_blocks(h_gH[: last - first], x_gD, w1_EHD, b1_EH, _within(group, first), cdt)
-        del x_gD
+        # The group's rows of x: gathered from the tokens by the AMX product as it packs them,
+        # where a separate gather wrote them out and the packing read them back (as the
+        # backward's weight gradient of w1 does, `_weight_grad_blocks`). 2-core Xeon, bf16,
+        # interleaved A/B in one process, bit for bit the same: forward fine-grained T = 2048 /
+        # 8192 1.048 / 1.040×, Mixtral T = 2048 1.02×; forward+backward fine-grained T = 256 /
+        # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
+        x_src, token_g = (x, token_N[first:last]) if token_N is not None else (x[first:last], None)
+        _forward_blocks(h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g)
         for piece in _groups(group, H, split=cdt == x.dtype):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
@@ -1181,21 +1195,23 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
     return [False] * len(blocks)
 
 
-def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
+def _weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool], b_token: Optional[Tensor] = None
+) -> list[bool]:
     """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (float32 on AMD's AVX-512
     CPUs: the blocks `_small_gemm.float32_weight_grad_blocks` takes; AVX512-BF16: bf16 blocks
     of up to BF16_WEIGHT_GRAD_MAX_ROWS rows; `again`: the block adds to its expert's first
-    piece, which the bf16 kernels do not do)."""
+    piece, which the bf16 kernels do not do). b_token given: b is the tokens' rows and row n of
+    the blocks is b[b_token[n]] (gathered by the AMX kernel's packing; only the AMX kernel takes
+    it, the first kernel below that takes a bf16 a)."""
+    if b_token is not None:
+        return _amx_weight_grad_blocks(out_EMN, a, b, blocks, again, b_token) if a.dtype == torch.bfloat16 else [False] * len(blocks)
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
     if a.dtype == torch.bfloat16:
-        # AMX CPUs: the blocks `_amx.weight_grad_into` takes, in one call, but not those of an
-        # expert with a block it does not take (which may hold the first piece they add to)
-        big = {e for e, start, stop in blocks if stop - start > _amx.WEIGHT_GRAD_MAX_ROWS}
-        fits = [e not in big for e, _, _ in blocks]
-        chosen = [(blk, add) for blk, add, f in zip(blocks, again, fits) if f]
-        if chosen and _amx.weight_grad_blocks(out_EMN, a, b, [blk for blk, _ in chosen], [add for _, add in chosen]):
-            return fits
+        done = _amx_weight_grad_blocks(out_EMN, a, b, blocks, again)
+        if any(done):
+            return done
     done = _small_gemm.float32_weight_grad_blocks(out_EMN, a, b, blocks, again)
     if any(done):
         return done
@@ -1204,6 +1220,21 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
     chosen = [block for block, s in zip(blocks, small) if s]
     if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, chosen, [False] * len(chosen)):
         return small
+    return [False] * len(blocks)
+
+
+def _amx_weight_grad_blocks(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool], b_token: Optional[Tensor] = None
+) -> list[bool]:
+    """AMX CPUs: the blocks `_amx.weight_grad_into` takes, in one call, but not those of an
+    expert with a block it does not take (which may hold the first piece they add to)."""
+    big = {e for e, start, stop in blocks if stop - start > _amx.WEIGHT_GRAD_MAX_ROWS}
+    fits = [e not in big for e, _, _ in blocks]
+    chosen = [(blk, add) for blk, add, f in zip(blocks, again, fits) if f]
+    if chosen and _amx.weight_grad_blocks(
+        out_EMN, a, b, [blk for blk, _ in chosen], [add for _, add in chosen], b_index=b_token
+    ):
+        return fits
     return [False] * len(blocks)
 
 
@@ -1293,12 +1324,18 @@ def _ffn_backward(
                 if with_bias:
                     grad_b2[e] = g_gD[rows].sum(0) + (grad_b2[e] if add else 0)
         del a_gF, g_gD
-        x_gD = _rows(x, token_N, first, last).to(cdt) if need_w else None
+        x_gD = None  # the group's rows of x, gathered where a weight gradient's kernel does not gather them
         dx_gD = None
         if need_x and routed:  # this group's rows of dx: kept for the token-by-token sum, or its own
             dx_gD = dx_ND[first:last] if by_token else _memory.scratch(dh_gH, last - first, D)
         dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
-        w_done = _weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again) if need_w and not with_bias else none
+        w_done = none
+        if need_w and not with_bias and routed and x.dtype == cdt:
+            w_done = _weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_token=token_N[first:last])
+        if need_w and not all(w_done):
+            x_gD = _rows(x, token_N, first, last).to(cdt)
+            if not with_bias and not any(w_done):
+                w_done = _weight_grad_blocks(grad_w1, dh_gH, x_gD, within, again)
         x_done = _input_grad_blocks(dx_gD_, dh_gH, w1_EHD, within) if need_x else none
         for (e, start, stop), add, w_done_e, x_done_e in zip(group, again, w_done, x_done):
             rows = slice(start - first, stop - first)

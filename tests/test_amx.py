@@ -192,6 +192,53 @@ def test_backward_blocks_in_one_call_are_the_blocks_one_by_one():
     assert not _amx.weight_grad_blocks(dropped, g, x, [(0, 0, _amx.WEIGHT_GRAD_MAX_ROWS + 1)], [False])
 
 
+def test_blocks_gather_token_rows_as_they_pack_them():
+    """linear_blocks with an index and weight_grad_blocks with b_index (a routed layer's token
+    rows, picked as the kernel packs them): bit for bit the same calls on the rows gathered
+    first by torch (tokens repeated, out of order, blocks with part tiles and an odd row count,
+    one expert twice with its flag); an index outside the source's rows (either end) declines
+    with nothing written; the input gradients take no index."""
+    _needs_amx()
+    torch.manual_seed(12)
+    E, O, I, T = 4, 48, 64, 37
+    w = torch.randn(E, O, I + 32, dtype=bf16)[:, :, 16 : I + 16]
+    x = _strided(T, I)
+    index = torch.cat([torch.randperm(T), torch.randint(0, T, (60,))])  # every token, then repeats
+    N = index.shape[0]
+    blocks = [(1, 0, 17), (3, 17, 18), (0, 30, 61), (1, 61, N)]
+    gathered = x[index]
+    out, wide = _margins(N, O)
+    want = torch.full((N, O), float("nan"), dtype=bf16)
+    assert _amx.linear_blocks(out, x, w, blocks, index=index)
+    assert _amx.linear_blocks(want, gathered, w, blocks)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and out[18:30].isnan().all() and _untouched(wide, O)
+    assert _within_bf16_of(out[30:61], gathered[30:61], w[0].t(), I)
+
+    g = _strided(N, O)
+    again = [False, False, False, True]
+    grad = torch.full((E, O, I), float("nan"), dtype=bf16)
+    want = grad.clone()
+    assert _amx.weight_grad_blocks(grad, g, x, blocks, again, b_index=index)
+    assert _amx.weight_grad_blocks(want, g, gathered, blocks, again)
+    assert torch.equal(grad.view(torch.int16), want.view(torch.int16)) and grad[2].isnan().all()
+
+    for bad in (T, -1):
+        wrong = index.clone()
+        wrong[45] = bad  # a row of block (0, 30, 61)
+        fresh, _ = _margins(N, O)
+        assert not _amx.linear_blocks(fresh, x, w, blocks, index=wrong) and fresh.isnan().all()
+        untouched = torch.full((E, O, I), float("nan"), dtype=bf16)
+        assert not _amx.weight_grad_blocks(untouched, g, x, blocks, again, b_index=wrong) and untouched.isnan().all()
+    wrong = index.clone()
+    wrong[20] = T  # between the blocks: not read, not checked
+    assert _amx.linear_blocks(fresh, x, w, blocks, index=wrong)
+    assert torch.equal(fresh.view(torch.int16), out.view(torch.int16))
+    with pytest.raises(ValueError, match="linear_blocks"):
+        _amx.linear_blocks(torch.empty(N, O, dtype=bf16), x, w, [(0, N - 2, N + 2)], index=index)
+    with pytest.raises(ValueError, match="takes no index"):
+        _amx._product_blocks("input_grad", torch.empty(N, I, dtype=bf16), g, w, blocks, 64, True, (O, I), index)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, _amx.INPUT_GRAD_MAX_ROWS, _amx.INPUT_GRAD_SMALL_WEIGHT[0]])
 @pytest.mark.parametrize("shape", [(32, 32), (64, 96), (96, 160), (512, 288), (1024, 1024), (2048, 2048)])
 def test_input_grad_matches_float64(rows, shape):
@@ -449,8 +496,8 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
     def blocks_counted(name, fn):  # (a group's blocks in one call)
         real_blocks = getattr(_amx, fn)
 
-        def run(out, a, b, blocks, *rest):
-            done = real_blocks(out, a, b, blocks, *rest)
+        def run(out, a, b, blocks, *rest, **kwargs):
+            done = real_blocks(out, a, b, blocks, *rest, **kwargs)
             ran[name] += len(blocks) if done else 0
             return done
         monkeypatch.setattr(_amx, fn, run)
