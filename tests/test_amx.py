@@ -409,6 +409,39 @@ def test_bf16_swiglu_kernels_pass_nan_through_and_decline_what_they_do_not_take(
     assert _amx.swiglu(torch.ones(32, 2, dtype=bf16).t()) is None  # rows not contiguous
 
 
+def test_bf16_swiglu_rows_at_the_edges_of_the_native_rounding_screen():
+    """AVX512-BF16's rounding instruction (NaN and subnormal results wrong) runs only on rows whose
+    inputs keep every rounded value normal (_amx.cpp's ordinary_row: gates within 2^-24 … 16, ups,
+    gradients and the weight within 2^-24 … 2^24). Rows at those bounds, and rows just past them
+    whose results are subnormal (a gate of -44 with the rest at 2^-24), come out as torch's bf16
+    ops make them: zeros where torch has zeros only, subnormals kept, within the exp's unit."""
+    _needs_swiglu()
+    F = 48
+    tiny, huge = 2.0**-24, 2.0**24
+    gate = torch.full((5, F), -16.0)
+    up, da = torch.full((5, F), tiny), torch.full((5, F), tiny)
+    gate[1], up[1], da[1] = tiny, huge, -huge  # the other corner of the screen
+    gate[2, ::2], gate[2, 1::2] = -1.28125, 16.0  # (near silu's minimum: the slope near 0)
+    gate[3] = -44.0  # past the screen: s ≈ 2^-63.5, so dh's gate half is subnormal (≈ 2^-130)
+    gate[4] = torch.linspace(-3, 3, F)
+    up[4, 7] = 2.0**-25  # one up past the screen
+    weight = torch.tensor([tiny, huge, 1.0, tiny, 0.5])
+    h, da = torch.cat([gate, up], dim=-1).bfloat16(), da.bfloat16()
+    g, u = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(g)
+    a_ops = act * u
+    dav = da * weight[:, None].bfloat16()
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * u, g), dav * act], dim=-1)
+    assert ((dh_ops[3, :F] != 0) & (dh_ops[3, :F].float().abs() < 2.0**-126)).all()  # subnormal: the case holds
+    a, dh, _ = _amx.swiglu_backward(h, da, weight, True, True)
+    outputs = [(a, a_ops), (dh, dh_ops)]
+    if _amx.swiglu_forward_available():
+        outputs.append((_amx.swiglu(h), a_ops))
+    for got, want in outputs:
+        assert torch.equal(got == 0, want == 0)
+        assert _bf16_ulps(got, want).max() <= 1
+
+
 def test_bf16_swiglu_kernels_round_nan_and_subnormals_as_torch_does():
     """Lanes the AVX512-BF16 rounding instruction would get wrong, among ordinary ones: subnormal
     values (torch keeps them; the instruction flushes them to zero), bit for bit torch's bf16 ops,
