@@ -52,6 +52,7 @@
 #include "_team.h"
 
 using moe_ffn_team::each_block;
+using moe_ffn_team::each_block_shared;
 using moe_ffn_team::make_team;
 using moe_ffn_team::on_team;
 using moe_ffn_team::share;
@@ -383,11 +384,14 @@ void pack_rows_transposed(const Rows& x, int64_t rows, int64_t in_features, int6
 
 constexpr int64_t kRowChunkBytes = int64_t{1} << 19;  // packed rows of x per chunk (in L2)
 
+// Whether `linear` takes a weight [out_features, in_features] (any rows from 1).
+bool linear_fits(int64_t out_features, int64_t in_features) {
+  return ready() && out_features >= 16 && out_features % 16 == 0 && in_features >= 32 && in_features % 32 == 0;
+}
+
 int linear(const Rows& x, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows, int64_t out_features,
            int64_t in_features, int threads, const Team& team) {
-  if (!ready() || rows < 1 || out_features < 16 || out_features % 16 || in_features < 32 || in_features % 32 ||
-      threads < 1)
-    return -1;
+  if (!linear_fits(out_features, in_features) || rows < 1 || threads < 1) return -1;
   const int64_t blocks = (rows + 15) / 16;
   uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
   if (!xp) return -1;
@@ -470,11 +474,14 @@ inline void pack_pairs_16(const uint16_t* w, int64_t ldw, int64_t c0, int64_t co
   }
 }
 
+// Whether `input_grad` takes a weight [out_features, in_features] (any rows from 1).
+bool input_grad_fits(int64_t out_features, int64_t in_features) {
+  return ready() && out_features >= 32 && out_features % 32 == 0 && in_features >= 32 && in_features % 32 == 0;
+}
+
 int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
                int64_t out_features, int64_t in_features, int threads, const Team& team) {
-  if (!ready() || rows < 1 || out_features < 32 || out_features % 32 || in_features < 32 || in_features % 32 ||
-      threads < 1)
-    return -1;
+  if (!input_grad_fits(out_features, in_features) || rows < 1 || threads < 1) return -1;
   const int64_t blocks = (rows + 15) / 16, pairs = (blocks + 1) / 2;
   // w in chunks of its depth: a chunk's rows over this thread's columns, interleaved into
   // groups of 32 columns, each used by every row tile of g; chunks sized so that one and g's
@@ -609,9 +616,14 @@ void pack_pairs(const Rows& b, int64_t rows, int64_t cols, int64_t p0, int64_t p
 // T = 256 67.7 / 71.4 → 61.8 / 61.2; from 2^17, level with 2^19.
 constexpr int64_t kStreamElements = int64_t{1} << 19;
 
+// Whether `weight_grad` takes a result [r_count, q_count] (any rows from 1).
+bool weight_grad_fits(int64_t r_count, int64_t q_count) {
+  return ready() && r_count >= 16 && r_count % 16 == 0 && q_count >= 32 && q_count % 32 == 0;
+}
+
 int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
-  if (!ready() || rows < 1 || r_count < 16 || r_count % 16 || q_count < 32 || q_count % 32 || threads < 1) return -1;
+  if (!weight_grad_fits(r_count, q_count) || rows < 1 || threads < 1) return -1;
   const int64_t depth = (rows + 31) / 32 * 32;
   uint16_t* at = scratch(static_cast<size_t>(r_count * depth + depth * q_count));
   if (!at) return -1;
@@ -924,13 +936,15 @@ extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t*
                                           void* thread_num, void* num_threads) {
   if ((input_grad_blocks && index) || count < 0 || !indexes_fit(index, source_rows, blocks, count)) return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool) {
+  const bool fits = input_grad_blocks ? input_grad_fits(out_features, in_features) : linear_fits(out_features, in_features);
+  return each_block_shared(blocks, count, experts, fits, threads, team, [&](int64_t e, int64_t start, int64_t rows, bool,
+                                                                            int threads) {
     const Out out{y + start * ldy, ldy, false};
     if (input_grad_blocks)
       return input_grad(x + start * ldx, ldx, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
     const Rows rows_x = index ? Rows{x, ldx, index + start} : Rows{x + start * ldx, ldx, nullptr};
     return linear(rows_x, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
-  }, 1);
+  });
 }
 
 // Weight gradient blocks: c_e = a[start:stop]ᵀ·b[start:stop] (c_e = c + e·c_expert, bf16; b's
@@ -943,11 +957,12 @@ extern "C" int moe_ffn_amx_weight_grad_blocks(const uint16_t* a, int64_t lda, co
                                               void* parallel, void* thread_num, void* num_threads) {
   if (count < 0 || !indexes_fit(b_index, b_source_rows, blocks, count)) return -1;
   const Team team = make_team(parallel, thread_num, num_threads);
-  return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool add) {
+  return each_block_shared(blocks, count, experts, weight_grad_fits(r_count, q_count), threads, team,
+                           [&](int64_t e, int64_t start, int64_t rows, bool add, int threads) {
     const Rows rows_b = b_index ? Rows{b, ldb, b_index + start} : Rows{b + start * ldb, ldb, nullptr};
     return weight_grad(a + start * lda, lda, rows_b, Out{c + e * c_expert, ldc, false}, rows, r_count, q_count, add,
                        threads, team);
-  }, 1);
+  });
 }
 
 // y = g·w for bf16 g [rows, O] and w [O, I] into y [rows, I]; O and I multiples of 32.
@@ -989,3 +1004,4 @@ extern "C" int moe_ffn_amx_swiglu_backward_bf16(const uint16_t* h, int64_t ldh, 
   const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
   return dh && da ? swiglu(p, rows, threads, make_team(parallel, thread_num, num_threads)) : -1;
 }
+

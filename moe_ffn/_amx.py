@@ -60,6 +60,14 @@ tensor is a bf16 CPU tensor with contiguous rows and the shapes fit the tiles (t
 dims multiples of 32, or 16 for the forward's out-features); a group's blocks go in one call
 of the *_blocks entry points (`linear_blocks`, `input_grad_blocks`, `weight_grad_blocks`),
 which loop over them in C++: the Python around a call per block cost ~20–35 µs a block. The
+calls share a group's blocks among the threads, each block whole on one thread, where the
+experts' rows divide about evenly (`each_block_shared` in _team.h; else each block on both
+threads in turn, splitting its columns): one meeting of the team a call instead of one or two
+a block, and each thread streams whole expert weights. Same bits either way; bf16
+forward+backward against each block on both threads (2-core Xeon, old and new library
+alternated in separate processes, 3 × 7–21 rounds, medians): fine-grained T = 16 / 256 / 2048
+1.10 / 1.12 / 1.07×, Mixtral T = 16 / 256 / 2048 1.07 / level / 1.035× (an in-process A/B of
+the first version: fine-grained T = 1 1.12×, forward T = 2048 1.03×). The
 forward and the weight gradient's b take a routed layer's token rows by index (`index`,
 `b_index`): the packing that copies the block's rows anyway gathers them, where a separate
 gather wrote a [rows, D] copy first. On

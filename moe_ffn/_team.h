@@ -146,4 +146,55 @@ int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Bloc
   return 0;
 }
 
+// The same blocks shared among a team's threads, each block whole on one thread (block(e, start,
+// rows, flag, 1)), where they fall into `threads` shares of about equal rows: every expert's
+// blocks (consecutive entries) in one share, the shares in order, none more than
+// kShareSlack times an even share; else each block on the whole team in turn (block(…,
+// threads)), as each_block runs them. Each thread then streams whole expert weights and the
+// team meets once a call instead of once or twice a block; an output element's sum is the same
+// sequence of steps on one thread as on the team (the team splits a product's columns or rows,
+// never its depth), so the same bits either way. Only for blocks whose products take the same
+// shapes for any row count (a product that declines must decline for the first block alike:
+// `fits`, checked before anything runs). Returns -1 with nothing run where an entry does not
+// fit (as each_block) or `fits` is false; else 0, or the first nonzero status of a block.
+constexpr double kShareSlack = 1.2;
+
+template <typename Block>  // Block: int(int64_t e, int64_t start, int64_t rows, bool flag, int threads)
+int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, bool fits, int threads, const Team& team,
+                      const Block& block) {
+  if (count < 0 || !fits) return -1;
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < 1) return -1;
+    total += b[2] - b[1];
+  }
+  // owner of each entry: the share holding the middle row of its expert's run of entries
+  constexpr int64_t kMaxShared = 1024;
+  int16_t owner[kMaxShared];
+  int64_t share_rows[64] = {};
+  bool shared = threads >= 2 && threads <= 64 && count >= 2 * threads && count <= kMaxShared;
+  for (int64_t i = 0, before = 0; shared && i < count;) {
+    int64_t j = i, rows = 0;
+    for (; j < count && blocks[4 * j] == blocks[4 * i]; ++j) rows += blocks[4 * j + 2] - blocks[4 * j + 1];
+    const int64_t t = std::min<int64_t>(threads - 1, (2 * before + rows) * threads / (2 * total));
+    for (int64_t k = i; k < j; ++k) owner[k] = static_cast<int16_t>(t);
+    share_rows[t] += rows;
+    before += rows, i = j;
+  }
+  for (int t = 0; shared && t < threads; ++t) shared = share_rows[t] * threads <= kShareSlack * total;
+  if (!shared) return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool flag) {
+    return block(e, start, rows, flag, threads);
+  });
+  int failed = 0;  // (a status written by either thread: any nonzero one)
+  on_team(team, threads, [&](int64_t t, int64_t n) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t* b = blocks + 4 * i;
+      if (owner[i] % n == t)  // (a team smaller than asked: its threads take the missing ones' shares too)
+        if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0, 1)) __atomic_store_n(&failed, status, __ATOMIC_RELAXED);
+    }
+  });
+  return failed;
+}
+
 }  // namespace moe_ffn_team

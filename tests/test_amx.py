@@ -192,6 +192,48 @@ def test_backward_blocks_in_one_call_are_the_blocks_one_by_one():
     assert not _amx.weight_grad_blocks(dropped, g, x, [(0, 0, _amx.WEIGHT_GRAD_MAX_ROWS + 1)], [False])
 
 
+@pytest.mark.parametrize("even", [True, False])
+def test_blocks_shared_among_threads_are_the_blocks_one_by_one(even):
+    """Many blocks of about even rows are shared among the threads, each block whole on one
+    thread (_team.h's each_block_shared; uneven ones go on the whole team in turn): every
+    product bit for bit what the single-block calls make on the whole team, an expert's second
+    block added to its first (the two on one thread), with a routed index too."""
+    _needs_amx()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(13)
+        E, O, I = 6, 48, 64
+        rows = [23, 19, 31, 17, 9, 12, 25, 21] if even else [200, 3, 5, 2, 4, 3, 2, 6]
+        experts = [0, 1, 1, 2, 3, 3, 4, 5]  # experts 1 and 3 in two blocks each
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        blocks = [(e, s, s + r) for e, s, r in zip(experts, starts, rows)]
+        again = [False, False, True, False, False, True, False, False]
+        N = sum(rows)
+        w = torch.randn(E, O, I, dtype=bf16)
+        x, g = _strided(N, I), _strided(N, O)
+        index = torch.randint(0, N, (N,))
+        out, want = torch.empty(N, O, dtype=bf16), torch.empty(N, O, dtype=bf16)
+        assert _amx.linear_blocks(out, x, w, blocks, index=index)
+        for e, start, stop in blocks:
+            assert _amx.linear_into(want[start:stop], x[index[start:stop]], w[e])
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        w_ig = torch.randn(E, 64, I, dtype=bf16)
+        g_ig = _strided(N, 64)
+        grad_in, want = torch.empty(N, I, dtype=bf16), torch.empty(N, I, dtype=bf16)
+        assert _amx.input_grad_blocks(grad_in, g_ig, w_ig, blocks)
+        for e, start, stop in blocks:
+            assert _amx.input_grad(g_ig[start:stop], w_ig[e].t(), out=want[start:stop]) is not None
+        assert torch.equal(grad_in.view(torch.int16), want.view(torch.int16))
+        grad, want = torch.zeros(E, O, I, dtype=bf16), torch.zeros(E, O, I, dtype=bf16)
+        assert _amx.weight_grad_blocks(grad, g, x, blocks, again)
+        for (e, start, stop), add in zip(blocks, again):
+            assert _amx.weight_grad_into(want[e], g[start:stop].t(), x[start:stop], accumulate=add)
+        assert torch.equal(grad.view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_blocks_gather_token_rows_as_they_pack_them():
     """linear_blocks with an index and weight_grad_blocks with b_index (a routed layer's token
     rows, picked as the kernel packs them): bit for bit the same calls on the rows gathered
