@@ -158,23 +158,16 @@ int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Bloc
 // `fits`, checked before anything runs). Returns -1 with nothing run where an entry does not
 // fit (as each_block) or `fits` is false; else 0, or the first nonzero status of a block.
 constexpr double kShareSlack = 1.2;
+constexpr int64_t kMaxShared = 1024;  // (entries a call shares at most)
 
-template <typename Block>  // Block: int(int64_t e, int64_t start, int64_t rows, bool flag, int threads)
-int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, bool fits, int threads, const Team& team,
-                      const Block& block) {
-  if (count < 0 || !fits) return -1;
-  int64_t total = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t* b = blocks + 4 * i;
-    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < 1) return -1;
-    total += b[2] - b[1];
-  }
-  // owner of each entry: the share holding the middle row of its expert's run of entries
-  constexpr int64_t kMaxShared = 1024;
-  int16_t owner[kMaxShared];
-  int64_t share_rows[64] = {};
-  bool shared = threads >= 2 && threads <= 64 && count >= 2 * threads && count <= kMaxShared;
-  for (int64_t i = 0, before = 0; shared && i < count;) {
+// The shares of each_block_shared: owner[i], the thread that runs entry i (checked entries: an
+// expert in range, at least one row each); false where the blocks do not fall into even enough
+// shares (or are too few or too many) and run on the whole team in turn.
+inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int16_t* owner) {
+  if (threads < 2 || threads > 64 || count < 2 * threads || count > kMaxShared) return false;
+  int64_t total = 0, share_rows[64] = {};
+  for (int64_t i = 0; i < count; ++i) total += blocks[4 * i + 2] - blocks[4 * i + 1];
+  for (int64_t i = 0, before = 0; i < count;) {  // an expert's run of entries: the share holding its middle row
     int64_t j = i, rows = 0;
     for (; j < count && blocks[4 * j] == blocks[4 * i]; ++j) rows += blocks[4 * j + 2] - blocks[4 * j + 1];
     const int64_t t = std::min<int64_t>(threads - 1, (2 * before + rows) * threads / (2 * total));
@@ -182,10 +175,24 @@ int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, boo
     share_rows[t] += rows;
     before += rows, i = j;
   }
-  for (int t = 0; shared && t < threads; ++t) shared = share_rows[t] * threads <= kShareSlack * total;
-  if (!shared) return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool flag) {
-    return block(e, start, rows, flag, threads);
-  });
+  for (int t = 0; t < threads; ++t)
+    if (share_rows[t] * threads > kShareSlack * total) return false;
+  return true;
+}
+
+template <typename Block>  // Block: int(int64_t e, int64_t start, int64_t rows, bool flag, int threads)
+int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, bool fits, int threads, const Team& team,
+                      const Block& block) {
+  if (count < 0 || !fits) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* b = blocks + 4 * i;
+    if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < 1) return -1;
+  }
+  int16_t owner[kMaxShared];
+  if (!block_owners(blocks, count, threads, owner))
+    return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool flag) {
+      return block(e, start, rows, flag, threads);
+    });
   int failed = 0;  // (a status written by either thread: any nonzero one)
   on_team(team, threads, [&](int64_t t, int64_t n) {
     for (int64_t i = 0; i < count; ++i) {
