@@ -162,12 +162,16 @@ constexpr int64_t kMaxShared = 1024;  // (entries a call shares at most)
 
 // The shares of each_block_shared: owner[i], the thread that runs entry i (checked entries: an
 // expert in range, at least one row each); false where the blocks do not fall into even enough
-// shares (or are too few or too many) and run on the whole team in turn.
+// shares, are too few or too many, or are not in ascending order of experts (grouped.py's
+// tables are), and run on the whole team in turn.
 inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int16_t* owner) {
   if (threads < 2 || threads > 64 || count < 2 * threads || count > kMaxShared) return false;
   int64_t total = 0, share_rows[64] = {};
   for (int64_t i = 0; i < count; ++i) total += blocks[4 * i + 2] - blocks[4 * i + 1];
   for (int64_t i = 0, before = 0; i < count;) {  // an expert's run of entries: the share holding its middle row
+    // (runs in ascending order of experts only: an expert's entries apart from each other could
+    // fall to two threads, which would both write its weight gradient)
+    if (i > 0 && blocks[4 * i] < blocks[4 * (i - 1)]) return false;
     int64_t j = i, rows = 0;
     for (; j < count && blocks[4 * j] == blocks[4 * i]; ++j) rows += blocks[4 * j + 2] - blocks[4 * j + 1];
     const int64_t t = std::min<int64_t>(threads - 1, (2 * before + rows) * threads / (2 * total));
