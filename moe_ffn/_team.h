@@ -146,18 +146,7 @@ int each_block(const int64_t* blocks, int64_t count, int64_t experts, const Bloc
   return 0;
 }
 
-// The same blocks shared among a team's threads, each block whole on one thread (block(e, start,
-// rows, flag, 1)), where they fall into `threads` shares of about equal rows: every expert's
-// blocks (consecutive entries) in one share, the shares in order, none more than
-// kShareSlack times an even share; else each block on the whole team in turn (block(…,
-// threads)), as each_block runs them. Each thread then streams whole expert weights and the
-// team meets once a call instead of once or twice a block; an output element's sum is the same
-// sequence of steps on one thread as on the team (the team splits a product's columns or rows,
-// never its depth), so the same bits either way. Only for blocks whose products take the same
-// shapes for any row count (a product that declines must decline for the first block alike:
-// `fits`, checked before anything runs). Returns -1 with nothing run where an entry does not
-// fit (as each_block) or `fits` is false; else 0, or the first nonzero status of a block.
-constexpr double kShareSlack = 1.2;
+constexpr double kShareSlack = 1.2;  // (see each_block_shared)
 constexpr int64_t kMaxShared = 1024;  // (entries a call shares at most)
 
 // The shares of each_block_shared: owner[i], the thread that runs entry i (checked entries: an
@@ -184,6 +173,17 @@ inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int1
   return true;
 }
 
+// The same blocks shared among a team's threads, each block whole on one thread (block(e, start,
+// rows, flag, 1)), where they fall into `threads` shares of about equal rows (`block_owners`): every expert's
+// blocks (consecutive entries) in one share, the shares in order, none more than
+// kShareSlack times an even share; else each block on the whole team in turn (block(…,
+// threads)), as each_block runs them. Each thread then streams whole expert weights and the
+// team meets once a call instead of once or twice a block; an output element's sum is the same
+// sequence of steps on one thread as on the team (the team splits a product's columns or rows,
+// never its depth), so the same bits either way. Only for blocks whose products take the same
+// shapes for any row count (a product that declines must decline for the first block alike:
+// `fits`, checked before anything runs). Returns -1 with nothing run where an entry does not
+// fit (as each_block) or `fits` is false; else 0, or the first nonzero status of a block.
 template <typename Block>  // Block: int(int64_t e, int64_t start, int64_t rows, bool flag, int threads)
 int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, bool fits, int threads, const Team& team,
                       const Block& block) {

@@ -1079,8 +1079,9 @@ def _ffn_forward(
 
     token_N None: x is x_ND, already in expert order; returns (y_ND, h_NH).
     token_N given: x is x_TD; row n of the sorted order is token token_N[n]; each group's rows
-    are gathered (by the first projection's kernel where it can) and computed, and each token's rows scaled by weight_N and summed in weight_N's
-    dtype (token by token at the end, or group by group: see _SLOT_ROWS_MAX_BYTES); returns
+    are gathered (by the first projection's kernel where it can) and computed, and each token's
+    rows scaled by weight_N and summed in weight_N's dtype (token by token at the end, or group
+    by group: see _SLOT_ROWS_MAX_BYTES); returns
     (out_TD, h_NH), out_TD summed in weight_N's dtype and rounded once to `out_dtype` (default
     weight_N's). The gathered rows live for one group only.
     keep_h False (inference, nothing to save for backward): the first projection goes into one
