@@ -174,10 +174,10 @@ inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int1
 }
 
 // The same blocks shared among a team's threads, each block whole on one thread (block(e, start,
-// rows, flag, 1)), where they fall into `threads` shares of about equal rows (`block_owners`): every expert's
-// blocks (consecutive entries) in one share, the shares in order, none more than
-// kShareSlack times an even share; else each block on the whole team in turn (block(…,
-// threads)), as each_block runs them. Each thread then streams whole expert weights and the
+// rows, flag, 1)), where they fall into `threads` shares of about equal rows (`block_owners`):
+// every expert's blocks (consecutive entries, experts ascending) in one share, the shares in
+// order, none more than kShareSlack times an even share; else each block on the whole team in
+// turn (block(…, threads)), as each_block runs them. Each thread then streams whole expert weights and the
 // team meets once a call instead of once or twice a block; an output element's sum is the same
 // sequence of steps on one thread as on the team (the team splits a product's columns or rows,
 // never its depth), so the same bits either way. Only for blocks whose products take the same
