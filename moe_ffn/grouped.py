@@ -726,6 +726,15 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # are not cut either way). Working memory of that bf16 forward+backward at T = 8192: 362 →
 # 427 MiB (the dense k·F block 336, with nn.Linear 688); Mixtral's blocks are cut from
 # 2340 rows on (T ≈ 9400), the fine-grained shape's from 16384.
+# The budget is a float32 temporary's (4 MiB): where the compute dtype has 2 bytes (bf16 on AMX
+# or AVX512-BF16 CPUs) a group takes twice the elements, since 2026-12-05. Why: the AMX blocks
+# entry points share a call's blocks among the threads only from two blocks a thread (_team.h,
+# each_block_shared), and Mixtral's 64-row blocks at T = 256 came two to a group. Same bits;
+# bf16 forward+backward, A/B in one process (2-core Xeon, 7–13 rounds), 2^20 → 2^21 elements:
+# Mixtral T = 256 / 1024 / 2048 1.088 / 1.035 / 1.000×, fine-grained T = 1024 / 2048 / 8192
+# 1.093 / 1.105 / 1.063× (0.981× in 3 rounds); float32 (not changed) fine T = 2048 1.015×,
+# Mixtral T = 256 1.006×. Working memory at T = 2048 (the benchmark's measure): fine-grained
+# bf16 77 → 84 MiB (the dense k·F block's 100), Mixtral bf16 91 either way.
 _GROUP_ELEMENTS = 1 << 20
 _PIECE_ELEMENTS = 1 << 24
 # A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
@@ -738,11 +747,11 @@ _ONE_GROUP_FACTOR = 2
 
 
 def _groups(
-    blocks: list[tuple[int, int, int]], width: int, split: bool
+    blocks: list[tuple[int, int, int]], width: int, split: bool, itemsize: int = 4
 ) -> list[list[tuple[int, int, int]]]:
-    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
-    larger than that is a group of its own); all of them in one group where they come to at most
-    `_ONE_GROUP_FACTOR` groups' worth.
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (twice
+    that for a compute dtype of `itemsize` 2; a block larger than that is a group of its own);
+    all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups' worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
     most that many rows (the same expert on consecutive row ranges), so that no temporary
@@ -755,7 +764,8 @@ def _groups(
         most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     total = sum(stop - start for _, start, stop in blocks) * width
-    budget = total if total <= _ONE_GROUP_FACTOR * _GROUP_ELEMENTS else _GROUP_ELEMENTS
+    group = _GROUP_ELEMENTS * 4 // max(1, min(4, itemsize))
+    budget = total if total <= _ONE_GROUP_FACTOR * group else group
     groups, current, rows = [], [], 0
     for block in blocks:
         if current and (rows + block[2] - block[1]) * width > budget:
@@ -1100,7 +1110,7 @@ def _ffn_forward(
     if project is not None:
         out, h_NH = _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
         return (out if token_N is None else out.to(out_dtype)), h_NH
-    groups = _groups(blocks, H, split=False)
+    groups = _groups(blocks, H, split=False, itemsize=cdt.itemsize)
     if keep_h:
         h_NH = _memory.scratch(x, N, H)  # the first projection's output, kept for backward
         if used < N:
@@ -1141,7 +1151,7 @@ def _ffn_forward(
         # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
         x_src, token_g = (x, token_N[first:last]) if token_N is not None else (x[first:last], None)
         _forward_blocks(h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g)
-        for piece in _groups(group, H, split=cdt == x.dtype):
+        for piece in _groups(group, H, split=cdt == x.dtype, itemsize=cdt.itemsize):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
             y_pD = out[lo:hi] if token_N is None else y_ND[lo:hi] if by_token else _memory.scratch(x, hi - lo, D)
@@ -1284,7 +1294,7 @@ def _ffn_backward(
     grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
     written = set()  # experts whose weight gradient holds a first piece (see _groups)
     dx_ND = _memory.scratch(x, used, D) if by_token else None
-    for group in _groups(blocks, H, split=cdt == dtype):
+    for group in _groups(blocks, H, split=cdt == dtype, itemsize=cdt.itemsize):
         first, last = group[0][1], group[-1][2]
         g_gD = _rows(grad_out, token_N, first, last).to(cdt)
         h_gH = h_NH[first:last].to(cdt)
