@@ -67,7 +67,9 @@ a block, and each thread streams whole expert weights. Same bits either way; bf1
 forward+backward against each block on both threads (2-core Xeon, old and new library
 alternated in separate processes, 3 × 7–21 rounds, medians): fine-grained T = 16 / 256 / 2048
 1.10 / 1.12 / 1.07×, Mixtral T = 16 / 256 / 2048 1.07 / level / 1.035× (an in-process A/B of
-the first version: fine-grained T = 1 1.12×, forward T = 2048 1.03×). The
+the first version: fine-grained T = 1 1.12×, forward T = 2048 1.03×). Mixtral's 64-row blocks
+at T = 256 came two to a call then, too few to share; grouped.py's bf16 groups of twice the
+elements (`_GROUP_ELEMENTS`) put them eight to a call: 1.09× more. The
 forward and the weight gradient's b take a routed layer's token rows by index (`index`,
 `b_index`): the packing that copies the block's rows anyway gathers them, where a separate
 gather wrote a [rows, D] copy first. On
