@@ -231,8 +231,8 @@ inline void store_bf16_pair(const float* left, const float* right, const Out& y,
 }
 
 // Whether a bf16 result of `elements` elements at y (rows ld elements apart, written in 64-byte
-// lines from columns that are multiples of 32) goes past the caches: from `least` (kStreamResult; weight gradients kStreamElements)
-// elements, where y's rows are 64-byte aligned. The forward's and input gradients' results
+// lines from columns that are multiples of 32) goes past the caches: from `least` elements
+// (kStreamResult; weight gradients kStreamElements), where y's rows are 64-byte aligned. The forward's and input gradients' results
 // are read next by another pass (SwiGLU, the slots' sums) or kept for backward, mostly from
 // memory anyway at these sizes. 2-core Xeon, against the tile-by-tile stores (products, 64
 // blocks, interleaved, the same bits): forward 256 rows through 1024×1024 / 1024×512 1.27 /
@@ -363,6 +363,10 @@ struct Rows {
   int64_t ld;
   const int64_t* index;  // null: rows in order
   const uint16_t* row(int64_t m) const { return base + (index ? index[m] : m) * ld; }
+  // A block's rows from row `start` of the blocks' order: its rows of base, or of the index.
+  static Rows from(const uint16_t* base, int64_t ld, const int64_t* index, int64_t start) {
+    return index ? Rows{base, ld, index + start} : Rows{base + start * ld, ld, nullptr};
+  }
 };
 
 // x [rows, I] as the B operand: per block of 16 rows, I/2 pair rows of 16 units (x's 32-bit
@@ -764,8 +768,9 @@ inline __m512 swiglu_step(const Swiglu& p, int64_t r, int64_t f, __mmask16 mask,
 // 2^-25; a, a·da, da·w, dav·u and dav·act lie within 2^-73 … 2^76; dy·s ≥ 2^-95, and the slope
 // 1 + g(1 − s), formed in float32 from values near 1, is 0 or at least 2^-25, so (dy·s)·slope
 // is 0 or at least 2^-120: all normal, all finite. A row with a value outside (a zero, a huge or
-// tiny value, NaN, an infinity) takes ExactRound. Checked on the bf16 bits: the least and the
-// largest magnitude of the gates, and of the ups and gradients together, 32 lanes at a time.
+// tiny value, NaN, an infinity) takes ExactRound. Checked on the bf16 bits, 32 lanes at a time:
+// the largest of |x| − 2^-24 (unsigned, so values below 2^-24 wrap past every bound) over the
+// gates, and over the ups and gradients together.
 inline bool ordinary_row(const Swiglu& p, int64_t r, __m512 w) {
   const float weight = std::fabs(_mm512_cvtss_f32(w));
   if (p.dh && !(weight >= 0x1p-24f && weight <= 0x1p24f)) return false;
@@ -797,10 +802,13 @@ inline bool ordinary_row(const Swiglu& p, int64_t r, __m512 w) {
   return largest(gates) <= kSixteen - kTiny && largest(rest) <= kHuge - kTiny;
 }
 
+// Row r's routing weight as the bf16 ops use it: rounded to bf16 (1 where there is none).
+inline __m512 row_weight(const Swiglu& p, int64_t r) { return rounded(_mm512_set1_ps(p.weight ? p.weight[r] : 1.0f)); }
+
 // Row r, step by step (swiglu_step) with the rounding `Round`.
 template <typename Round>
 void swiglu_row(const Swiglu& p, int64_t r, int64_t ahead) {  // ahead: see swiglu_row_ahead
-  const __m512 w = rounded(_mm512_set1_ps(p.weight ? p.weight[r] : 1.0f));
+  const __m512 w = row_weight(p, r);
   __m512 dot = _mm512_setzero_ps();
   for (int64_t f = 0; f < p.features; f += 16) {
     const int64_t n = std::min<int64_t>(16, p.features - f);
@@ -853,7 +861,7 @@ struct NativeRound {  // (only on rows `ordinary_row` passes)
 };
 
 __attribute__((flatten)) void swiglu_row_native(const Swiglu& p, int64_t r, int64_t ahead) {
-  if (ordinary_row(p, r, rounded(_mm512_set1_ps(p.weight ? p.weight[r] : 1.0f))))
+  if (ordinary_row(p, r, row_weight(p, r)))
     swiglu_row<NativeRound>(p, r, ahead);
   else
     swiglu_row<ExactRound>(p, r, ahead);
@@ -942,8 +950,7 @@ extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t*
     const Out out{y + start * ldy, ldy, false};
     if (input_grad_blocks)
       return input_grad(x + start * ldx, ldx, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
-    const Rows rows_x = index ? Rows{x, ldx, index + start} : Rows{x + start * ldx, ldx, nullptr};
-    return linear(rows_x, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
+    return linear(Rows::from(x, ldx, index, start), w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
   });
 }
 
@@ -959,8 +966,7 @@ extern "C" int moe_ffn_amx_weight_grad_blocks(const uint16_t* a, int64_t lda, co
   const Team team = make_team(parallel, thread_num, num_threads);
   return each_block_shared(blocks, count, experts, weight_grad_fits(r_count, q_count), threads, team,
                            [&](int64_t e, int64_t start, int64_t rows, bool add, int threads) {
-    const Rows rows_b = b_index ? Rows{b, ldb, b_index + start} : Rows{b + start * ldb, ldb, nullptr};
-    return weight_grad(a + start * lda, lda, rows_b, Out{c + e * c_expert, ldc, false}, rows, r_count, q_count, add,
+    return weight_grad(a + start * lda, lda, Rows::from(b, ldb, b_index, start), Out{c + e * c_expert, ldc, false}, rows, r_count, q_count, add,
                        threads, team);
   });
 }
@@ -979,8 +985,8 @@ extern "C" int moe_ffn_amx_weight_grad(const uint16_t* a, int64_t lda, const uin
                                        int64_t ldc, int c_f32, int64_t rows, int64_t r_count, int64_t q_count,
                                        int accumulate, int threads, void* parallel, void* thread_num,
                                        void* num_threads) {
-  return weight_grad(a, lda, Rows{b, ldb, nullptr}, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0, threads,
-                     make_team(parallel, thread_num, num_threads));
+  return weight_grad(a, lda, Rows{b, ldb, nullptr}, Out{c, ldc, c_f32 != 0}, rows, r_count, q_count, accumulate != 0,
+                     threads, make_team(parallel, thread_num, num_threads));
 }
 
 // a = silu(h[:, :F])·h[:, F:] for bf16 h [rows, 2F] (rows ldh apart) into bf16 a [rows, F] (lda),
@@ -1004,4 +1010,3 @@ extern "C" int moe_ffn_amx_swiglu_backward_bf16(const uint16_t* h, int64_t ldh, 
   const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
   return dh && da ? swiglu(p, rows, threads, make_team(parallel, thread_num, num_threads)) : -1;
 }
-

@@ -253,7 +253,12 @@ def _index_fits(index: Optional[Tensor]) -> bool:
 def _index_args(index: Optional[Tensor], src: Tensor) -> tuple:
     """(index pointer, the source's rows) for an entry point; the kernel declines (nothing run)
     where an index of the blocks' rows is not a row of src."""
-    return (None, src.shape[0]) if index is None else (index.data_ptr(), src.shape[0])
+    return None if index is None else index.data_ptr(), src.shape[0]
+
+
+def _rows_addressed(src: Tensor, index: Optional[Tensor]) -> int:
+    """How many rows the blocks' order has: src's, or the index's."""
+    return src.shape[0] if index is None else index.shape[0]
 
 
 def _product_blocks(
@@ -277,7 +282,7 @@ def _product_blocks(
     src_cols, out_cols = dims if name == "input_grad" else dims[::-1]
     fits = src.shape[1] == src_cols and out.shape[1] == out_cols
     shapes = f"{tuple(src.shape)}, {tuple(w_EOI.shape)}, {tuple(out.shape)}"
-    src_rows = src.shape[0] if index is None else index.shape[0]
+    src_rows = _rows_addressed(src, index)
     _small_gemm._check_blocks(f"amx.{name}_blocks", blocks, min(src_rows, out.shape[0]) if fits else -1, w_EOI.shape[0], shapes)
     head = (
         int(name == "input_grad"), src.data_ptr(), src.stride(0), *_index_args(index, src), w_EOI.data_ptr(),
@@ -332,7 +337,7 @@ def weight_grad_blocks(
         return False
     fits = a.shape[1] == M and b.shape[1] == N
     shapes = f"{tuple(a.shape)}, {tuple(b.shape)}, {tuple(out_EMN.shape)}"
-    b_rows = b.shape[0] if b_index is None else b_index.shape[0]
+    b_rows = _rows_addressed(b, b_index)
     _small_gemm._check_blocks("amx.weight_grad_blocks", blocks, min(a.shape[0], b_rows) if fits else -1, E, shapes)
     head = (
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *_index_args(b_index, b), out_EMN.data_ptr(), E,

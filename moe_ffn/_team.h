@@ -193,10 +193,13 @@ int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, boo
     if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < 1) return -1;
   }
   int16_t owner[kMaxShared];
-  if (!block_owners(blocks, count, threads, owner))
-    return each_block(blocks, count, experts, [&](int64_t e, int64_t start, int64_t rows, bool flag) {
-      return block(e, start, rows, flag, threads);
-    });
+  if (!block_owners(blocks, count, threads, owner)) {  // (entries checked above)
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t* b = blocks + 4 * i;
+      if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0, threads)) return status;
+    }
+    return 0;
+  }
   int failed = 0;  // (a status written by either thread: any nonzero one)
   on_team(team, threads, [&](int64_t t, int64_t n) {
     for (int64_t i = 0; i < count; ++i) {

@@ -1145,7 +1145,7 @@ def _ffn_forward(
             h_gH = h_NH[first:last]
         # The group's rows of x: gathered from the tokens by the AMX product as it packs them,
         # where a separate gather wrote them out and the packing read them back (as the
-        # backward's weight gradient of w1 does, `_weight_grad_blocks`). 2-core Xeon, bf16,
+        # backward's weight gradient of w1 does, `_amx_weight_grad_blocks`). 2-core Xeon, bf16,
         # interleaved A/B in one process, bit for bit the same: forward fine-grained T = 2048 /
         # 8192 1.048 / 1.040×, Mixtral T = 2048 1.02×; forward+backward fine-grained T = 256 /
         # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
@@ -1206,17 +1206,11 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
     return [False] * len(blocks)
 
 
-def _weight_grad_blocks(
-    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool], b_token: Optional[Tensor] = None
-) -> list[bool]:
+def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
     """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (float32 on AMD's AVX-512
     CPUs: the blocks `_small_gemm.float32_weight_grad_blocks` takes; AVX512-BF16: bf16 blocks
     of up to BF16_WEIGHT_GRAD_MAX_ROWS rows; `again`: the block adds to its expert's first
-    piece, which the bf16 kernels do not do). b_token given: b is the tokens' rows and row n of
-    the blocks is b[b_token[n]] (gathered by the AMX kernel's packing; only the AMX kernel takes
-    it, the first kernel below that takes a bf16 a)."""
-    if b_token is not None:
-        return _amx_weight_grad_blocks(out_EMN, a, b, blocks, again, b_token) if a.dtype == torch.bfloat16 else [False] * len(blocks)
+    piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
     if a.dtype == torch.bfloat16:
@@ -1238,7 +1232,9 @@ def _amx_weight_grad_blocks(
     out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool], b_token: Optional[Tensor] = None
 ) -> list[bool]:
     """AMX CPUs: the blocks `_amx.weight_grad_into` takes, in one call, but not those of an
-    expert with a block it does not take (which may hold the first piece they add to)."""
+    expert with a block it does not take (which may hold the first piece they add to). b_token
+    given: b is the tokens' rows and row n of the blocks is b[b_token[n]] (gathered by the
+    kernel's packing)."""
     big = {e for e, start, stop in blocks if stop - start > _amx.WEIGHT_GRAD_MAX_ROWS}
     fits = [e not in big for e, _, _ in blocks]
     chosen = [(blk, add) for blk, add, f in zip(blocks, again, fits) if f]
@@ -1341,8 +1337,9 @@ def _ffn_backward(
             dx_gD = dx_ND[first:last] if by_token else _memory.scratch(dh_gH, last - first, D)
         dx_gD_ = (dx_gD if routed else grad_x[first:last]) if need_x else None  # this group's rows of dx
         w_done = none
-        if need_w and not with_bias and routed and x.dtype == cdt:
-            w_done = _weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_token=token_N[first:last])
+        if need_w and not with_bias and routed and x.dtype == cdt == torch.bfloat16:
+            # (the AMX kernel, the first of _weight_grad_blocks' to take a bf16 a, gathers x's rows)
+            w_done = _amx_weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_token=token_N[first:last])
         if need_w and not all(w_done):
             x_gD = _rows(x, token_N, first, last).to(cdt)
             if not with_bias and not any(w_done):
