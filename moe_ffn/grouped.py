@@ -1047,7 +1047,7 @@ def _sum_by_token(out: Tensor, token_N: Tensor, rows_ND: Tensor, weight_N: Optio
 
 def _forward_blocks(
     out: Tensor, x: Tensor, w_EOI: Tensor, b_EO: Optional[Tensor], blocks: list, cdt: torch.dtype,
-    token_n: Optional[Tensor] = None,
+    token_n: Optional[Tensor] = None, halves: bool = False,
 ) -> None:
     """out[start:stop] = x[start:stop]·w_EOI[e]ᵀ (+ b_EO[e]) for every block (e, start, stop)
     (token_n given: x is the tokens' x_TD and row n of the blocks is x[token_n[n]], gathered as
@@ -1060,7 +1060,9 @@ def _forward_blocks(
     machine noisy): forward fine-grained T = 64 1.20×, T = 256 (blocks of ~32 rows, some past
     40) 0.99× and 1.11× (21 rounds), T = 2048 1.005×, Mixtral T = 64 / 256 / 2048 1.01 / 1.00 /
     0.97× (its blocks past 40 rows from T = 256: the same calls); forward+backward fine-grained
-    T = 16 / 64 / 256 1.00 / 1.06 / 1.04×."""
+    T = 16 / 64 / 256 1.00 / 1.06 / 1.04×.
+    halves: the blocks left to `_linear_into` are computed as two products, one per half of
+    w_EOI[e]'s rows (see _gate_up_apart)."""
     rest = blocks
     if b_EO is None and cdt == x.dtype == out.dtype == torch.bfloat16:
         # AMX CPUs: the blocks `_amx.linear_into` takes, in one call (see moe_ffn_amx_product_blocks)
@@ -1078,8 +1080,28 @@ def _forward_blocks(
         small = [blk for blk in blocks if blk[2] - blk[1] <= most]
         if len(small) > 1 and _small_gemm.linear_blocks(x, w_EOI, small, out=out) is not None:
             rest = [blk for blk in blocks if blk[2] - blk[1] > most]
+    parts = (slice(0, w_EOI.shape[1] // 2), slice(w_EOI.shape[1] // 2, None)) if halves else (slice(None),)
     for e, start, stop in rest:
-        _linear_into(out[start:stop], x[start:stop], w_EOI[e], None if b_EO is None else b_EO[e], cdt)
+        for part in parts:
+            bias = None if b_EO is None else b_EO[e, part]
+            _linear_into(out[start:stop, part], x[start:stop], w_EOI[e, part], bias, cdt)
+
+
+def _gate_up_apart(w1_EHD: Tensor, gated: bool, cdt: torch.dtype) -> bool:
+    """Whether a dense gated block's first projection, where it runs on torch's low-precision
+    GEMM, is computed as the gate's product and the up projection's, each into its half of the
+    result: the two GEMMs of the hand-written block (nn.Linear for the gate, another for up, as
+    transformers' LlamaMLP), so the same sums, bit for bit, and never that block's time plus
+    whatever the one fused GEMM of twice the width costs more. oneDNN picks its bf16 kernel by
+    the product's shape, and some fused widths draw a slower one (2-core Xeon with AMX,
+    GFLOP/s fused → two halves, 9 rounds, D = 1024: 2048 rows × 2F = 5632, the dense check's
+    shape, 1472–1626 → 1997–2186, and other sums than the halves'; 1100 × 1024 1151–1195 →
+    1754–1789; 4096 × 5632 1.0–1.12×) while others lose a little (2F = 2048 / 4096 / 8192 at
+    2048 rows 0.91–0.94 / 0.94–0.99 / 0.97×), and 1024 × 7168 a quarter (0.75–0.77×): so only
+    the dense block (one expert), whose reference is that hand-written block, and not the MoE
+    experts, whose reference (transformers' Mixtral experts) multiplies the fused weight.
+    float32 (MKL/oneDNN, the same sums either way here) was level: 0.93–1.01×."""
+    return gated and w1_EHD.shape[0] == 1 and cdt in (torch.bfloat16, torch.float16)
 
 
 def _ffn_forward(
@@ -1150,7 +1172,10 @@ def _ffn_forward(
         # 8192 1.048 / 1.040×, Mixtral T = 2048 1.02×; forward+backward fine-grained T = 256 /
         # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
         x_src, token_g = (x, token_N[first:last]) if token_N is not None else (x[first:last], None)
-        _forward_blocks(h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g)
+        _forward_blocks(
+            h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g,
+            halves=_gate_up_apart(w1_EHD, gated, cdt),
+        )
         for piece in _groups(group, H, split=cdt == x.dtype, itemsize=cdt.itemsize):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import moe_ffn
-from moe_ffn import GLU, Bilinear, FeedForward, GatedFFN, GeGLU, ReGLU, SwiGLU, llama_intermediate_size
+from moe_ffn import GLU, Bilinear, FeedForward, GatedFFN, GeGLU, ReGLU, SwiGLU, grouped, llama_intermediate_size
 from moe_ffn.activations import get_activation
 from reference import act, classic_ffn, gated_expert
 
@@ -178,6 +178,52 @@ def test_matches_hand_written_nn_linear_block():
         down.weight.copy_(block.down_proj[0])
     x = torch.randn(2, 9, D)
     torch.testing.assert_close(block(x), down(torch.nn.functional.silu(gate(x)) * up(x)))
+
+
+def test_gate_and_up_multiplied_apart_only_for_the_dense_low_precision_block():
+    w1 = torch.empty(1, 24, 8)
+    assert grouped._gate_up_apart(w1, True, torch.bfloat16) and grouped._gate_up_apart(w1, True, torch.float16)
+    assert not grouped._gate_up_apart(w1, True, torch.float32)  # (level there, the same sums)
+    assert not grouped._gate_up_apart(w1, False, torch.bfloat16)  # no halves to take apart
+    assert not grouped._gate_up_apart(torch.empty(8, 24, 8), True, torch.bfloat16)  # MoE experts: fused
+
+
+def test_first_projection_by_halves_is_two_products(monkeypatch):
+    """With `halves`, the blocks left to torch go as one product per half of the weight's
+    rows, each into its half of the result: the sums of two nn.Linear, bit for bit."""
+    monkeypatch.setattr(grouped._amx, "linear_blocks", lambda *a, **k: False)
+    monkeypatch.setattr(grouped._small_gemm, "linear_blocks", lambda *a, **k: None)
+    calls = []
+    real = grouped._linear_into
+    monkeypatch.setattr(grouped, "_linear_into", lambda out, x, w, *a: (calls.append(tuple(w.shape)), real(out, x, w, *a)))
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 32).bfloat16(), torch.randn(1, 48, 32).bfloat16()
+    out = torch.full((40, 48), float("nan"), dtype=torch.bfloat16)
+    grouped._forward_blocks(out, x, w, None, [(0, 0, 40)], torch.bfloat16, halves=True)
+    assert calls == [(24, 32), (24, 32)]
+    assert torch.equal(out[:, :24], nn.functional.linear(x, w[0, :24]))
+    assert torch.equal(out[:, 24:], nn.functional.linear(x, w[0, 24:]))
+
+
+def test_bf16_forward_bit_for_bit_the_nn_linear_blocks_at_the_dense_check_shape():
+    """The benchmark's dense check (D = 1024, F = 2816, 2048 tokens): in bf16 on torch's GEMM the
+    block's output is the hand-written block's, bit for bit. oneDNN's fused 2048 × 5632 product
+    (the one GEMM of both halves) draws another kernel, with other sums (and slower) on the
+    2-core Xeon with AMX, where this failed before the halves."""
+    D, T = 1024, 2048
+    torch.manual_seed(0)
+    block = SwiGLU(D).bfloat16()
+    x = torch.randn(T, D).bfloat16()
+    if grouped._compute_dtype(x) != torch.bfloat16:
+        pytest.skip("bf16 is multiplied in float32 on this CPU: not torch's bf16 GEMM, nothing to match")
+    F_ = block.hidden_dim
+    gate, up, down = (nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False), nn.Linear(F_, D, bias=False))
+    with torch.no_grad():
+        gate.weight.copy_(block.gate_up_proj[0, :F_])
+        up.weight.copy_(block.gate_up_proj[0, F_:])
+        down.weight.copy_(block.down_proj[0])
+        hand = down.bfloat16()(nn.functional.silu(gate.bfloat16()(x)) * up.bfloat16()(x))
+        assert torch.equal(block(x), hand)
 
 
 def test_one_dropout_on_the_output_only():
