@@ -22,13 +22,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _clear_kernel_caches():
+    """Forget what the kernel modules found out and cached (entry points, CPU checks)."""
+    from moe_ffn import _amx, _small_gemm
+
+    for module in (_small_gemm, _amx):
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+
+
 @pytest.fixture
 def torch_kernels_only(monkeypatch):
     """moe_ffn without its own CPU kernel (moe_ffn/_small_gemm.py): every product on torch's
-    kernels, as on machines where the kernel is not built. For tests of that path's choices."""
+    kernels, as on machines where the kernel is not built. For tests of that path's choices.
+    The entry points cached before are forgotten for the test, and the ones it finds missing
+    after it (a None cached without the library switched the kernels off for every later test
+    in the process: test_amx's found its blocks entry points gone after test_grouped's)."""
     from moe_ffn import _small_gemm
 
     monkeypatch.setattr(_small_gemm, "library", lambda: None)
+    _clear_kernel_caches()
+    yield
+    monkeypatch.undo()
+    _clear_kernel_caches()
 
 
 @pytest.fixture(params=["avx2", "avx512"])
