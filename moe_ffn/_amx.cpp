@@ -695,10 +695,13 @@ inline __m512 rounded(__m512 v) {
   return _mm512_castsi512_ps(r);
 }
 
-// e^x for 16 floats: the steps of _small_gemm.cpp's exp8 on 16 lanes (the same values).
+// e^x for 16 floats: the steps of _small_gemm.cpp's exp8 on 16 lanes (the same values; +inf past
+// kExpMax, ln(FLT_MAX)).
+constexpr float kExpMax = 88.72283935546875f;
 inline __m512 exp16(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMax), _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(kExpMax));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -711,8 +714,12 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), nan, _mm512_set1_ps(__builtin_nanf("")));
+  const __m512i k = _mm512_cvtps_epi32(n), half = _mm512_srai_epi32(k, 1);
+  const __m512i bits_a = _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(k, half), _mm512_set1_epi32(127)), 23);
+  const __m512i bits_b = _mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23);
+  __m512 e = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits_a)), _mm512_castsi512_ps(bits_b));
+  e = _mm512_mask_mov_ps(e, over, _mm512_set1_ps(__builtin_inff()));
+  return _mm512_mask_mov_ps(e, nan, _mm512_set1_ps(__builtin_nanf("")));
 }
 
 inline __m512 load16(const uint16_t* at, __mmask16 mask) {  // zeros past the mask

@@ -1232,12 +1232,18 @@ int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, co
 
 // ---- SwiGLU's elementwise work: a = silu(gate)·up and its gradient ------------------------
 
-// e^x for eight floats, x clamped to [-87.3, 88.3] (the range where e^x and e^-x are normal
-// floats; NaN stays NaN): x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor series to r^7
-// (remainder below 2^-27 of the sum, under half an ulp), times 2^n set in the exponent bits.
+// e^x for eight floats: x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor series to r^7
+// (remainder below 2^-27 of the sum, under half an ulp), times 2^n as 2^(n − ⌊n/2⌋)·2^⌊n/2⌋
+// (exponent bits; each factor normal, the first product exact). x is clamped to [-87.3, kExpMax]
+// (below -87.3 e^x is subnormal and 1 + e^x is 1 all the same, the only use here), past kExpMax
+// e^x is +inf as float32's exp makes it (it was clamped at 88.3 until 2026-12-05: silu(g) for g
+// below -88.72 came out a tiny nonzero number where torch's is -0, since e^-g overflows), and
+// NaN stays NaN.
+constexpr float kExpMax = 88.72283935546875f;  // the least float32 whose e^x overflows, rounded: ln(FLT_MAX)
 inline __m256 exp8(__m256 x) {
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMax), _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(kExpMax));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // ln 2 in two parts: n·ln2_hi is exact for |n| < 2^11 (ln2_hi has 12 significant bits)
@@ -1251,8 +1257,12 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_or_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), nan);  // (NaN lanes: all bits set)
+  const __m256i k = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(k, 1);
+  const __m256i bits_a = _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(k, half), _mm256_set1_epi32(127)), 23);
+  const __m256i bits_b = _mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits_a)), _mm256_castsi256_ps(bits_b));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), over);
+  return _mm256_or_ps(e, nan);  // (NaN lanes: all bits set)
 }
 
 // Loads and stores of the first `n` ≤ 8 lanes (all eight when n is 8, unmasked).

@@ -484,6 +484,29 @@ def test_bf16_swiglu_rows_at_the_edges_of_the_native_rounding_screen():
         assert _bf16_ulps(got, want).max() <= 1
 
 
+def test_bf16_swiglu_at_gates_where_the_exponential_overflows():
+    """The bf16 passes for gates whose e^-g overflows float32 or nearly does (test_small_gemm's
+    EXTREME_GATES): bit for bit torch's bf16 ops, -0 where e^-g is inf (it was a tiny nonzero
+    number while the passes clamped e^x at 88.3)."""
+    _needs_swiglu()
+    from test_small_gemm import EXTREME_GATES
+
+    F = len(EXTREME_GATES)
+    gate = torch.tensor(EXTREME_GATES).repeat(3, 1)
+    up = torch.tensor([[2.0**-5], [1.0], [3.0]]).expand(3, F)
+    h, da = torch.cat([gate, up], dim=-1).bfloat16(), torch.full((3, F), 0.75).bfloat16()
+    g, u = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(g)
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(da * u, g), da * act], dim=-1)
+    a2, dh, _ = _amx.swiglu_backward(h, da, None, True, False)
+    outputs = [(a2, act * u), (dh, dh_ops)]
+    if _amx.swiglu_forward_available():
+        outputs.append((_amx.swiglu(h), act * u))
+    for got, want in outputs:
+        assert torch.equal(got == 0, want == 0)
+        assert _bf16_ulps(got, want).max() <= 1
+
+
 def test_bf16_swiglu_kernels_round_nan_and_subnormals_as_torch_does():
     """Lanes the AVX512-BF16 rounding instruction would get wrong, among ordinary ones: subnormal
     values (torch keeps them; the instruction flushes them to zero), bit for bit torch's bf16 ops,

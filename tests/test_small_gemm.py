@@ -603,6 +603,30 @@ def test_swiglu_kernels_pass_nan_through():
     assert dh.isnan().sum() == 3
 
 
+# gates where e^-g leaves float32's range (past ln(FLT_MAX) ≈ 88.7228: torch's silu is -0 there),
+# close to it on both sides, and large positive ones (e^-g tiny: silu(g) = g)
+EXTREME_GATES = [-3.0e38, -200.0, -90.0, -88.8, -88.73, -88.72, -88.7, -88.5, -88.3, -88.0, -87.0, 88.9, 150.0, 0.5]
+
+
+def test_swiglu_kernels_at_gates_where_the_exponential_overflows():
+    """silu(g)·u and its gradient for gates whose e^-g overflows float32 (torch: e^-g = inf, so
+    silu and the gradient are ±0, not a tiny number) or nearly does, against torch's float32 ops:
+    zeros where torch has zeros, the rest within float32 rounding (the kernels clamped e^x at
+    88.3 until 2026-12-05: silu(-90) came out as -4e-37)."""
+    _needs_kernel()
+    F = len(EXTREME_GATES)
+    gate = torch.tensor(EXTREME_GATES).repeat(3, 1)
+    up = torch.tensor([[2.0**-5], [1.0], [3.0]]).expand(3, F)
+    h, da = torch.cat([gate, up], dim=-1).contiguous(), torch.full((3, F), 0.75)
+    a = _small_gemm.swiglu(h)
+    _, dh, _ = _small_gemm.swiglu_backward(h, da, None, False, False)
+    act = torch.nn.functional.silu(gate)
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * act], dim=-1)
+    for got, want in [(a, act * up), (dh, dh_ops)]:
+        assert torch.equal(got == 0, want == 0)
+        assert ((got.double() - want.double()).abs() <= 1e-5 * want.double().abs()).all()
+
+
 def test_swiglu_kernels_decline_what_they_do_not_take():
     h, da = torch.randn(4, 16), torch.randn(4, 8)
     assert _small_gemm.swiglu(h.double()) is None and _small_gemm.swiglu(h[:, :15]) is None
