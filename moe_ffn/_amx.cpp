@@ -208,6 +208,18 @@ constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;
 // (2-core Xeon, 64 blocks of 256 rows through 1024×512 weights: 788 GFLOP/s, 1420 with the
 // stores left out). With `stream` the lines go past the caches (the caller fences before it
 // returns): for results too large to be read back from the caches anyway.
+// 32 float32 (lo, then hi) rounded to bf16 as torch rounds them: one 64-byte line.
+inline __m512i bf16_line(__m512 lo, __m512 hi) {
+  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
+    return _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline void store_line(uint16_t* at, __m512i line, bool stream) {
+  if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), line);
+  else _mm512_storeu_si512(at, line);
+}
+
 inline void store_bf16_pair(const float* left, const float* right, const Out& y, int64_t row0, int64_t col0,
                             int64_t rows, bool transposed, bool stream) {
   __m512i l[16], r[16];
@@ -219,15 +231,9 @@ inline void store_bf16_pair(const float* left, const float* right, const Out& y,
     transpose16(l);
     transpose16(r);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 lo = _mm512_castsi512_ps(l[i]), hi = _mm512_castsi512_ps(r[i]);
-    __m512i line = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
-      line = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
-    uint16_t* at = static_cast<uint16_t*>(y.p) + (row0 + i) * y.ld + col0;
-    if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), line);
-    else _mm512_storeu_si512(at, line);
-  }
+  for (int64_t i = 0; i < rows; ++i)
+    store_line(static_cast<uint16_t*>(y.p) + (row0 + i) * y.ld + col0,
+               bf16_line(_mm512_castsi512_ps(l[i]), _mm512_castsi512_ps(r[i])), stream);
 }
 
 // Whether a bf16 result of `elements` elements at y (rows ld elements apart, written in 64-byte
@@ -904,6 +910,164 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
 
 #pragma GCC pop_options
 
+// ---- The first projection of a SwiGLU expert with its activation ---------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16,avx512bf16")
+
+namespace {
+
+// a = silu(g)·u on 16 lanes of bf16 values g, u (widened), rounded as swiglu_step rounds (the
+// forward's part of it): NativeRound where every lane keeps its intermediates normal
+// (ordinary_row's bounds, 2^-24 ≤ |g| ≤ 16 and 2^-24 ≤ |u| ≤ 2^24, checked on these lanes;
+// NaN fails them), else ExactRound; the same bits either way.
+inline __m256i swiglu16(__m512 g, __m512 u) {
+  const __m512 ag = _mm512_abs_ps(g), au = _mm512_abs_ps(u), tiny = _mm512_set1_ps(0x1p-24f);
+  const __mmask16 ordinary = _mm512_cmp_ps_mask(ag, tiny, _CMP_GE_OQ) & _mm512_cmp_ps_mask(ag, _mm512_set1_ps(16.0f), _CMP_LE_OQ) &
+                             _mm512_cmp_ps_mask(au, tiny, _CMP_GE_OQ) & _mm512_cmp_ps_mask(au, _mm512_set1_ps(0x1p24f), _CMP_LE_OQ);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  if (ordinary == 0xFFFF) return NativeRound::bits(_mm512_mul_ps(NativeRound::rounded(act), u));
+  return ExactRound::bits(_mm512_mul_ps(ExactRound::rounded(act), u));
+}
+
+// A 2 × bt block of tile products (as block_products<2, bt>) with `between(s)` after step s: work
+// for the core's vector units placed among the tile instructions.
+template <typename Between>
+inline void gate_up_products(int bt, const Operand& a, const Operand& b, int64_t steps, const Between& between) {
+  compiler_fence();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, b.p + s * b.step, b.stride);
+    if (bt > 1) _tile_loadd(7, b.p + b.tile + s * b.step, b.stride);
+    _tile_loadd(4, a.p + s * a.step, a.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (bt > 1) _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a.p + a.tile + s * a.step, a.stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if (bt > 1) _tile_dpbf16ps(3, 5, 7);
+    compiler_fence();
+    between(s);
+    compiler_fence();
+  }
+}
+
+// Whether `linear_swiglu` takes a weight [2·features, in_features] (any rows from 1).
+bool linear_swiglu_fits(int64_t features, int64_t in_features) {
+  return ready() && features >= 32 && features % 32 == 0 && in_features >= 32 && in_features % 32 == 0;
+}
+
+// h = x·wᵀ for w = gate | up [2F, I] (the gate's F rows first), and a = silu(h[:, :F])·h[:, F:],
+// in one pass: `linear`'s products and sums for h (the same bits), a from h's bf16 values
+// rounded where `swiglu` rounds (the same bits as moe_ffn_amx_swiglu_bf16 on this h). h null:
+// not stored (inference: only a is wanted). Each 2×2 block of tiles pairs 16 gate rows of w
+// with the same features' 16 up rows, so a block holds both halves of 16 features of 32 rows of
+// x; two such blocks (32 features) run back to back and their results go out together, as whole
+// 64-byte lines of h's halves and of a, while the next blocks' products run (as `linear`'s
+// stores): the activation's vector work, a pass over h of its own otherwise, is done beside
+// the tile unit.
+int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda,
+                  int64_t rows, int64_t features, int64_t in_features, int threads, const Team& team) {
+  if (!linear_swiglu_fits(features, in_features) || rows < 1 || threads < 1 || !a) return -1;
+  const int64_t blocks = (rows + 15) / 16;
+  uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
+  if (!xp) return -1;
+  on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
+    int64_t b0, b1;
+    share(blocks, 1, t, n, &b0, &b1);
+    pack_rows_transposed(x, rows, in_features, b0, b1, xp);
+  });
+  const int64_t f_tiles = features / 16, steps = in_features / 32;
+  const Out h_out{h, ldh, false}, a_out{a, lda, false};
+  const bool stream_h = h && stream_result(h_out, rows * 2 * features), stream_a = stream_result(a_out, rows * features);
+  on_team(team, std::min<int64_t>(threads, f_tiles / 2), [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(f_tiles, 2, t, n, &first, &last);
+    if (first >= last) return;
+    configure_tiles();
+    // sums[buffer][k]: the pair's block k (features ft + k's tile), tiles (gate, j) at j·256,
+    // (up, j) at (2 + j)·256, as run_sums lays them out
+    alignas(64) float sums[2][2][1024];
+    struct Pair {
+      int64_t mb = 0, ft = 0;
+      int bt = 0;
+      const float (*sums)[1024] = nullptr;
+    } pending;
+    int buffer = 0;
+    // Row tile j of a pair's results (16 rows × 32 features of h's halves and of a) goes out
+    // row by row between the next products' steps (`gate_up_products`): the activation's vector
+    // work after a block's tile instructions waited for them to retire (the reorder buffer
+    // filled), and took as long as a pass of its own. `prepare` transposes the row tile into
+    // `rows_out` (gate features 0–15, 16–31, then up's), `row` finishes row r.
+    alignas(64) float rows_out[4][256];
+    struct Out16 {
+      int64_t m0 = 0, col = 0, count = 0;
+    } current;
+    auto prepare = [&](const Pair& pair, int j) {
+      current = Out16{(pair.mb + j) * 16, pair.ft * 16, 0};
+      if (j >= pair.bt) return;
+      current.count = std::min<int64_t>(16, rows - current.m0);
+      const float* tiles[4] = {pair.sums[0] + j * 256, pair.sums[1] + j * 256, pair.sums[0] + (2 + j) * 256,
+                               pair.sums[1] + (2 + j) * 256};
+      for (int q = 0; q < 4; ++q) {
+        __m512i v[16];
+        for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(tiles[q] + 16 * r);
+        transpose16(v);
+        for (int r = 0; r < 16; ++r) _mm512_store_si512(rows_out[q] + 16 * r, v[r]);
+      }
+    };
+    auto row = [&](int64_t r) {
+      const int64_t m = current.m0 + r;
+      const __m512i gate = bf16_line(_mm512_load_ps(rows_out[0] + 16 * r), _mm512_load_ps(rows_out[1] + 16 * r));
+      const __m512i up = bf16_line(_mm512_load_ps(rows_out[2] + 16 * r), _mm512_load_ps(rows_out[3] + 16 * r));
+      if (h) {
+        store_line(h + m * ldh + current.col, gate, stream_h);
+        store_line(h + m * ldh + features + current.col, up, stream_h);
+      }
+      const __m256i lo = swiglu16(widened(_mm512_castsi512_si256(gate)), widened(_mm512_castsi512_si256(up)));
+      const __m256i hi = swiglu16(widened(_mm512_extracti64x4_epi64(gate, 1)), widened(_mm512_extracti64x4_epi64(up, 1)));
+      store_line(a + m * lda + current.col, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), stream_a);
+    };
+    // rows of the prepared tile to finish after step s of `steps`: spread evenly, the rest at the end
+    const int64_t every = std::max<int64_t>(1, steps / 16);
+    auto between = [&](int64_t s) {
+      const int64_t r = s / every;
+      if (s % every == 0 && r < current.count) row(r);
+    };
+    const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);  // (as linear)
+    for (int64_t mb0 = 0; mb0 < blocks; mb0 += chunk_blocks)
+    for (int64_t ft = first; ft < last; ft += 2)
+    for (int64_t mb = mb0; mb < std::min(blocks, mb0 + chunk_blocks); mb += 2) {
+      const int bt = static_cast<int>(std::min<int64_t>(2, blocks - mb));
+      const Operand b{xp + mb * in_features * 16, 64, in_features * 16, 512};
+      for (int k = 0; k < 2; ++k) {  // features ft + k: gate rows as A tile 0, up rows as A tile 1
+        const Operand gate_up{w + (ft + k) * 16 * ldw, ldw * 2, features * ldw, 32};
+        if (pending.sums) prepare(pending, k);  // the previous pair's row tile k, beside these products
+        else current.count = 0;
+        gate_up_products(bt, gate_up, b, steps, between);
+        for (int64_t r = (steps + every - 1) / every; r < current.count; ++r) row(r);
+        run_sums(2, bt, sums[buffer][k]);
+      }
+      pending = Pair{mb, ft, bt, sums[buffer]};
+      buffer ^= 1;
+    }
+    for (int k = 0; k < 2 && pending.sums; ++k) {
+      prepare(pending, k);
+      for (int64_t r = 0; r < current.count; ++r) row(r);
+    }
+    if (stream_h || stream_a) _mm_sfence();
+    _tile_release();
+  });
+  return 0;
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
 // 1 where the products below run on this CPU (AVX-512, AVX512-BF16 and AMX-BF16, enabled by
 // the OS, and the tile state granted to this process), else 0 (then every entry point
 // returns -1).
@@ -958,6 +1122,24 @@ extern "C" int moe_ffn_amx_product_blocks(int input_grad_blocks, const uint16_t*
     if (input_grad_blocks)
       return input_grad(x + start * ldx, ldx, w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
     return linear(Rows::from(x, ldx, index, start), w + e * w_expert, ldw, out, rows, out_features, in_features, threads, team);
+  });
+}
+
+// SwiGLU forward blocks: h[start:stop] = x[start:stop]·w_eᵀ (w_e = w + e·w_expert = gate | up,
+// [2F, I]) and a[start:stop] = silu(gate)·up (`linear_swiglu`); h null: a only. x's rows by
+// `index` where given. bf16 h and a.
+extern "C" int moe_ffn_amx_swiglu_forward_blocks(const uint16_t* x, int64_t ldx, const int64_t* index,
+                                                 int64_t source_rows, const uint16_t* w, int64_t experts,
+                                                 int64_t w_expert, int64_t ldw, uint16_t* h, int64_t ldh, uint16_t* a,
+                                                 int64_t lda, const int64_t* blocks, int64_t count, int64_t features,
+                                                 int64_t in_features, int threads, void* parallel, void* thread_num,
+                                                 void* num_threads) {
+  if (count < 0 || !a || !indexes_fit(index, source_rows, blocks, count)) return -1;
+  const Team team = make_team(parallel, thread_num, num_threads);
+  return each_block_shared(blocks, count, experts, linear_swiglu_fits(features, in_features), threads, team,
+                           [&](int64_t e, int64_t start, int64_t rows, bool, int threads) {
+    return linear_swiglu(Rows::from(x, ldx, index, start), w + e * w_expert, ldw, h ? h + start * ldh : nullptr, ldh,
+                         a + start * lda, lda, rows, features, in_features, threads, team);
   });
 }
 

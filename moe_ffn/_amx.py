@@ -76,6 +76,19 @@ gather wrote a [rows, D] copy first. On
 the 2-core Xeon (2026-12-04; against a call per block, interleaved A/B in one process, 7–9
 rounds, pair-ratio medians), bf16 forward+backward fine-grained T = 1 / 16 / 256 / 2048
 1.21 / 1.31 / 1.38 / 1.09×, Mixtral 1.13 / 1.08 / 1.04 / 1.005×.
+A SwiGLU layer's first projection takes its activation along (`swiglu_forward_blocks`, since
+2026-12-05): each 2×2 block of tiles pairs a feature tile's gate rows with its up rows, and
+a = silu(gate)·up is formed from the block's bf16 h as `swiglu`'s pass forms it, row by row
+between the next blocks' tile steps (the vector work placed after a block's tile instructions
+waited for them to retire and added its full time). The same h and a, bit for bit, without
+the pass over h (and in inference without writing h at all). Products alone (2-core Xeon, 9
+interleaved rounds, the product then `swiglu` → one pass, h kept / not written): 8 Mixtral
+weights at 512 rows 38.0 → 33.6 / 32.5 ms (the product alone 32.2), at 64 rows 7.5 → 7.0 / 6.7;
+64 fine-grained weights at 256 rows 23.5 → 20.5 / 19.5 (19.6), at 32 rows level. Layer bf16,
+interleaved A/B in one process (7–31 rounds, pair-ratio medians): forward Mixtral T = 1 / 16 /
+256 / 2048 1.02 / 1.02 / 1.055 / 1.081×, fine-grained T = 1 / 16 / 256 / 2048 / 8192 1.04 /
+1.04 / 1.02 / 1.06 / 1.10×; forward+backward Mixtral T = 256 / 2048 1.012 / 1.017×,
+fine-grained 1.007 / 1.011×.
 Everything else stays on torch's
 kernels (or `_small_gemm`'s; on CPUs with AVX512-BF16 and no AMX, `_small_gemm`'s bf16 blocks
 entry points, and this module's SwiGLU backward pass, which needs AVX-512 only:
@@ -344,6 +357,55 @@ def weight_grad_blocks(
         out_EMN.stride(0), out_EMN.stride(1),
     )
     return _run_blocks(fn, openmp, head, blocks, again, (M, N))
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_forward_entry_point():
+    """moe_ffn_amx_swiglu_forward_blocks with its argument types, or None (as `_entry_points`)."""
+    import ctypes
+
+    if _entry_points() is None:
+        return None
+    fn = getattr(_small_gemm.library(), "moe_ffn_amx_swiglu_forward_blocks", None)
+    if fn is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    # (x, ldx, index, source_rows, w, experts, w_expert, ldw, h, ldh, a, lda, blocks, count, F, I, ...)
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    fn.restype = c_int
+    return fn
+
+
+def swiglu_forward_blocks(
+    h: Optional[Tensor], a: Tensor, x: Tensor, w_EHI: Tensor, blocks: list[tuple[int, int, int]],
+    index: Optional[Tensor] = None,
+) -> bool:
+    """h[start:stop] = x[start:stop]·w_EHI[e]ᵀ and a[start:stop] = silu(gate)·up of it for every
+    block (w_EHI[e] = gate | up, [2F, I]), in one call: h bit for bit `linear_blocks`' (h None: not
+    written, a only) and a `swiglu`'s of that h; returns whether it ran (h and a untouched
+    otherwise): bf16 tensors, F a multiple of 32, every block of 1 to `forward_max_rows` rows.
+    With `index`, row n of the blocks' order is x[index[n]] (as `linear_blocks`)."""
+    if not (blocks and w_EHI.dim() == 3 and _bf16(x, w_EHI, a, *(() if h is None else (h,))) and _index_fits(index)):
+        return False
+    E, H, I = w_EHI.shape
+    F = H // 2
+    most = forward_max_rows((H, I))
+    if not (H % 64 == 0 and takes_forward((H, I)) and w_EHI.stride(2) == 1 and all(0 < stop - start <= most for _, start, stop in blocks)):
+        return False
+    fn, openmp = _swiglu_forward_entry_point(), _openmp((x,), a)
+    if fn is None or openmp is None or (h is not None and _small_gemm._kernel_for((x,), h) is None):
+        return False
+    rows = _rows_addressed(x, index)
+    fits = x.shape[1] == I and a.shape[1] == F and (h is None or (h.shape[1] == H and h.shape[0] == a.shape[0]))
+    shapes = f"{tuple(x.shape)}, {tuple(w_EHI.shape)}, {None if h is None else tuple(h.shape)}, {tuple(a.shape)}"
+    _small_gemm._check_blocks("amx.swiglu_forward_blocks", blocks, min(rows, a.shape[0]) if fits else -1, E, shapes)
+    table = array.array("q", [v for e, start, stop in blocks for v in (e, start, stop, 0)])
+    status = fn(
+        x.data_ptr(), x.stride(0), *_index_args(index, x), w_EHI.data_ptr(), E, w_EHI.stride(0), w_EHI.stride(1),
+        None if h is None else h.data_ptr(), 0 if h is None else h.stride(0), a.data_ptr(), a.stride(0),
+        table.buffer_info()[0], len(blocks), F, I, torch.get_num_threads(), *openmp,
+    )
+    return status == 0
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:

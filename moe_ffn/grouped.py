@@ -1122,7 +1122,7 @@ def _ffn_forward(
     a 256 MiB h_NH, Mixtral's 448 MiB.
     """
     N = x.shape[0] if token_N is None else token_N.shape[0]
-    D, H = w2_EDF.shape[1], w1_EHD.shape[1]
+    D, H, F_ = w2_EDF.shape[1], w1_EHD.shape[1], w2_EDF.shape[2]
     cdt = _compute_dtype(x)
     blocks = _row_blocks(counts_E, N)
     used = _rows_used(blocks)
@@ -1133,13 +1133,18 @@ def _ffn_forward(
         out, h_NH = _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project)
         return (out if token_N is None else out.to(out_dtype)), h_NH
     groups = _groups(blocks, H, split=False, itemsize=cdt.itemsize)
+    most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
     if keep_h:
         h_NH = _memory.scratch(x, N, H)  # the first projection's output, kept for backward
         if used < N:
             h_NH[used:].zero_()
     else:
         h_NH = x.new_empty(0, H)
-        h_gH = _memory.scratch(x, max((g[-1][2] - g[0][1] for g in groups), default=0), H)
+        h_gH = None  # (made where a group needs it)
+    swiglu_in_product = (
+        gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
+        and _amx.available()
+    )
     # The weighted sum over each token's slots: token by token once every slot's row is made
     # (`_small_gemm.slot_sum_rows`, the down projection's rows kept for it, up to
     # _SLOT_ROWS_MAX_BYTES), or added group by group into a zeroed sum (torch's ops, or the
@@ -1172,13 +1177,27 @@ def _ffn_forward(
         # 8192 1.048 / 1.040×, Mixtral T = 2048 1.02×; forward+backward fine-grained T = 256 /
         # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
         x_src, token_g = (x, token_N[first:last]) if token_N is not None else (x[first:last], None)
-        _forward_blocks(
-            h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g,
-            halves=_gate_up_apart(w1_EHD, gated, cdt),
-        )
+        # SwiGLU's activation in the first projection's product where the AMX kernel takes the
+        # group (`_amx.swiglu_forward_blocks`: the same h and a, bit for bit, a without a pass
+        # over h of its own, h not written at all in inference), else after it (`_hidden`)
+        a_gF = _memory.scratch(x, last - first, F_) if swiglu_in_product else None
+        if a_gF is not None and not _amx.swiglu_forward_blocks(
+            h_gH[: last - first] if keep_h else None, a_gF, x_src, w1_EHD, _within(group, first), index=token_g
+        ):
+            a_gF = None
+        if a_gF is None:
+            if h_gH is None:
+                h_gH = _memory.scratch(x, most_rows, H)
+            _forward_blocks(
+                h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g,
+                halves=_gate_up_apart(w1_EHD, gated, cdt),
+            )
         for piece in _groups(group, H, split=cdt == x.dtype, itemsize=cdt.itemsize):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
-            a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
+            if a_gF is not None:
+                a_pF = a_gF[lo - first : hi - first]
+            else:
+                a_pF = _hidden(h_gH[lo - first : hi - first].to(cdt), activation, gated, x.dtype)
             y_pD = out[lo:hi] if token_N is None else y_ND[lo:hi] if by_token else _memory.scratch(x, hi - lo, D)
             a_kernel = a_pF
             if a_pF.dtype != w2_EDF.dtype == x.dtype == torch.bfloat16 and _small_gemm.available():

@@ -569,6 +569,119 @@ def test_switched_off_with_the_library():
     assert out.stdout.strip() == "False"
 
 
+# --- SwiGLU's first projection with its activation in one pass --------------------------------
+
+@pytest.mark.parametrize(
+    "F, I, sizes, gathered, keep_h",
+    [(32, 64, [5, 17, 40, 1], False, True), (64, 128, [100, 33, 16], True, True), (96, 64, [64, 130, 3], True, False),
+     (512, 1024, [70], False, True)],
+)
+def test_swiglu_forward_blocks_are_the_product_then_the_activation(F, I, sizes, gathered, keep_h):
+    """h and a of `swiglu_forward_blocks` bit for bit `linear_blocks`' h and `swiglu`'s a of that
+    h (blocks of partial tiles, odd row tiles, token rows gathered by an index, h not written);
+    rows between the blocks and the columns beside them untouched."""
+    _needs_amx()
+    torch.manual_seed(F + I)
+    E = 3
+    w = (torch.randn(E, 2 * F, I + 32) * 0.1).bfloat16()[:, :, 16 : I + 16]
+    blocks, start = [], 0
+    for i, n in enumerate(sizes):
+        blocks.append(((2 * i) % E, start, start + n))
+        start += n + 2  # (two rows between blocks)
+    N = start
+    x = _strided(N if not gathered else 37, I)
+    index = torch.randint(0, x.shape[0], (N,)) if gathered else None
+    rows = x[index] if gathered else x
+    h_want = torch.full((N, 2 * F), float("nan"), dtype=bf16)
+    assert _amx.linear_blocks(h_want, rows.contiguous(), w, blocks)
+    a_want = torch.full((N, F), float("nan"), dtype=bf16)
+    for _, lo, hi in blocks:
+        a_want[lo:hi] = _amx.swiglu(h_want[lo:hi])
+    h, h_wide = _margins(N, 2 * F)
+    a, a_wide = _margins(N, F)
+    assert _amx.swiglu_forward_blocks(h if keep_h else None, a, x, w, blocks, index=index)
+    assert torch.equal(a.view(torch.int16), a_want.view(torch.int16)) and _untouched(a_wide, F)
+    if keep_h:
+        assert torch.equal(h.view(torch.int16), h_want.view(torch.int16)) and _untouched(h_wide, 2 * F)
+    else:
+        assert h_wide.isnan().all()
+
+
+def test_swiglu_forward_blocks_round_the_screens_edges_and_nan_as_swiglu():
+    """Gates and ups at and just past the native rounding screen's bounds (2^-24 … 16 and 2^-24 …
+    2^24: _amx.cpp's swiglu16 takes the integer rounding for a 16-lane step with one lane past
+    them), zeros, huge values, products act·up that are subnormal, and a NaN row (x's NaN reaches
+    every sum of its row): h and a bit for bit `linear_blocks`' and `swiglu`'s. h = x exactly (w the
+    identity: each sum one product by 1, the rest by 0)."""
+    _needs_amx()
+    F = 32
+    w = torch.eye(2 * F, dtype=bf16).unsqueeze(0)
+    x = torch.randn(20, 2 * F).bfloat16()
+    edges = [2.0**-24, 2.0**-25, 16.0, 16.125, -16.0, -90.0, 0.0, -0.0, 3.0e38, -3.0e38, 2.0**24, 2.0**25, 1.0, -2.5]
+    for r in range(14):
+        x[r, r % F] = edges[r]  # a gate
+        x[r, F + (r * 7) % F] = edges[(r + 5) % len(edges)]  # an up, another step of the row
+    x[14, 5] = float("nan")
+    x[15, 3], x[15, F + 3] = 2.0**-110, 2.0**-20  # a = act·up subnormal (2^-131): kept by torch, flushed by the instruction
+    x[16, 9], x[16, F + 9] = -88.0, 2.0**-7  # the same from a gate past the screen's other bound
+    h_want = torch.empty(20, 2 * F, dtype=bf16)
+    assert _amx.linear_blocks(h_want, x, w, [(0, 0, 20)])
+    assert torch.equal(h_want[:14], x[:14])  # (the identity: h holds the edges as they are)
+    a_want = _amx.swiglu(h_want)
+    h, a = torch.empty(20, 2 * F, dtype=bf16), torch.empty(20, F, dtype=bf16)
+    assert _amx.swiglu_forward_blocks(h, a, x, w, [(0, 0, 20)])
+    assert torch.equal(h.view(torch.int16), h_want.view(torch.int16))
+    assert torch.equal(a.view(torch.int16), a_want.view(torch.int16))
+    assert a[14].isnan().all()
+    assert 0 < a[15, 3].float().abs() < 2.0**-126 and 0 < a[16, 9].float().abs() < 2.0**-126  # (the cases hold)
+
+
+def test_swiglu_forward_blocks_decline_what_they_do_not_take():
+    """F not a multiple of 32, a block past `forward_max_rows`, a float32 operand: False with
+    nothing written; an expert or rows outside the tensors: ValueError."""
+    _needs_amx()
+    x = torch.randn(40, 64, dtype=bf16)
+    for w, blocks in [
+        (torch.randn(2, 96, 64, dtype=bf16), [(0, 0, 8)]),  # F = 48
+        (torch.randn(2, 64, 64, dtype=bf16), [(0, 0, _amx.forward_max_rows((64, 64)) + 1)]),
+    ]:
+        rows = max(stop for _, _, stop in blocks)
+        h = torch.full((rows, w.shape[1]), float("nan"), dtype=bf16)
+        a = torch.full((rows, w.shape[1] // 2), float("nan"), dtype=bf16)
+        xs = torch.randn(rows, 64, dtype=bf16)
+        assert not _amx.swiglu_forward_blocks(h, a, xs, w, blocks)
+        assert h.isnan().all() and a.isnan().all()
+    w = torch.randn(2, 64, 64, dtype=bf16)
+    a = torch.full((40, 32), float("nan"), dtype=bf16)
+    assert not _amx.swiglu_forward_blocks(None, a, x.float(), w, [(0, 0, 8)])
+    assert a.isnan().all()
+    with pytest.raises(ValueError, match="swiglu_forward_blocks"):
+        _amx.swiglu_forward_blocks(None, a, x, w, [(2, 0, 8)])
+    with pytest.raises(ValueError, match="swiglu_forward_blocks"):
+        _amx.swiglu_forward_blocks(None, a, x, w, [(0, 36, 44)])
+
+
+def test_bf16_layer_forward_with_the_activation_in_the_product_is_the_two_passes(monkeypatch):
+    """A bf16 SwiGLU layer's forward (training: h kept; inference: h not written) bit for bit the
+    same with the activation in the first projection's product as with the product and
+    `swiglu`'s pass after it; the one-pass product ran in both."""
+    _needs_amx()
+    calls = []
+    real = _amx.swiglu_forward_blocks
+    monkeypatch.setattr(_amx, "swiglu_forward_blocks", lambda h, *a, **k: calls.append(h is None) or real(h, *a, **k))
+    torch.manual_seed(3)
+    moe = MoE(dim=64, hidden_dim=96, num_experts=4, top_k=2).bfloat16()
+    x = torch.randn(90, 64, dtype=bf16)
+    with torch.no_grad():
+        inference = moe(x)
+    training = moe(x.requires_grad_())
+    assert True in calls and False in calls
+    monkeypatch.setattr(_amx, "swiglu_forward_blocks", lambda *a, **k: False)
+    with torch.no_grad():
+        two_passes = moe(x)
+    assert torch.equal(inference, two_passes) and torch.equal(training.detach(), two_passes)
+
+
 # --- a bf16 layer on the kernel against the float64 loop ------------------------------------
 
 @pytest.mark.parametrize("T", [3, 40, 220])
@@ -601,6 +714,14 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
         monkeypatch.setattr(_amx, fn, run)
 
     blocks_counted("linear", "linear_blocks")
+    real_swiglu = _amx.swiglu_forward_blocks
+
+    def swiglu_counted(h, a, x, w, blocks, **kwargs):  # (the first projection, with SwiGLU in it)
+        done = real_swiglu(h, a, x, w, blocks, **kwargs)
+        ran["linear"] += len(blocks) if done else 0
+        return done
+
+    monkeypatch.setattr(_amx, "swiglu_forward_blocks", swiglu_counted)
     blocks_counted("input_grad", "input_grad_blocks")
     blocks_counted("weight_grad", "weight_grad_blocks")
     monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
