@@ -89,10 +89,21 @@ _ONEDNN_MIN_WEIGHT = 1 << 20
 # 2-core EPYC of family 26 (2026-12-03, GFLOP/s sgemm → oneDNN with the copy into the output,
 # 7 repeats): 384–2048 rows through the benchmark's four weights 171–209 → 355–460.
 _ONEDNN_ANY_ROWS = math.inf
+# Where torch runs its AVX-512 kernels and MKL's sgemm its 512-bit code (Intel's CPUs), sgemm
+# catches up with oneDNN at ~256–288 rows and passes it from there; oneDNN's blocks past 256
+# rows were also cut into parts (_ONEDNN_ROW_QUANTUM, measured on the EPYC), each part reading
+# the weight again. The 2-core Xeon (2026-12-05, x·Wᵀ into a given output, GFLOP/s, oneDNN
+# whole → sgemm, 8 weights in turn, medians of 9): Mixtral's 1024→7168 at 224 / 256 / 288 /
+# 320 / 459 / 700 rows 272 / 284 / 272 / 276 / 265 / 280 → 250 / 263 / 271 / 281 / 299 / 312
+# (459 rows in oneDNN's parts: 270), its 3584→1024 298 → 287 at 256 rows, 278 → 298 at 459;
+# the fine-grained 1024→1024 283 → 272 at 256, 267 → 280 at 288, 271 → 295 at 459.
+_ONEDNN_MAX_ROWS_AVX512 = 256
 
 
 def _onednn_max_rows() -> float:
-    return _ONEDNN_ANY_ROWS if _small_gemm.sgemm_at_avx2_width() else _ONEDNN_MAX_ROWS
+    if _small_gemm.sgemm_at_avx2_width():
+        return _ONEDNN_ANY_ROWS
+    return _ONEDNN_MAX_ROWS_AVX512 if _torch_on_avx512() else _ONEDNN_MAX_ROWS
 
 
 # oneDNN's GEMMs (torch's bf16 matmul on CPU, and the float32 inner product above) lose a tenth

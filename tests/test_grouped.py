@@ -854,6 +854,43 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
     assert [r for r in rows if r >= head] == ([head, head] if avx2_width else [])
 
 
+@pytest.mark.parametrize("avx512", [True, False])
+def test_float32_forward_blocks_past_256_rows_on_sgemm_where_torch_runs_at_avx512(monkeypatch, avx512):
+    """Where torch runs at AVX-512 and MKL's sgemm at its full width (Intel's CPUs), forward
+    blocks of 257–512 rows go to sgemm whole (grouped._ONEDNN_MAX_ROWS_AVX512), not to oneDNN's
+    inner product in row parts as on AVX2 CPUs; 65–256-row blocks go to oneDNN either way. The
+    float64 loop's outputs and gradients come out either way."""
+    if not grouped._onednn_linear_available():
+        pytest.skip("torch has no oneDNN inner product here")
+    monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: False)
+    monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: avx512)
+    assert grouped._ONEDNN_MAX_ROWS_AVX512 == 256
+    rows = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    forward = []  # (set while the forward runs: its products only)
+    real_forward = grouped._ffn_forward
+
+    def spy(x, w, *args):
+        if forward:
+            rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    def in_forward(*args, **kwargs):
+        forward.append(True)
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            forward.clear()
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    monkeypatch.setattr(grouped, "_ffn_forward", in_forward)
+    _float32_blocks_match_float64(torch.tensor([300, 0, 200, 12]), 256, 256, bias=False)
+    assert rows.count(200) == 2  # both projections of the 200-row block on oneDNN
+    # the 300-row block: on sgemm, or its first 256 rows on oneDNN (the other 44 as such a block goes)
+    assert sorted(r for r in rows if r >= 256) == ([] if avx512 else [256, 256])
+
+
 def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only):
     """Native bf16 blocks on torch's GEMM (oneDNN's on CPUs; forced here) are multiplied as
     their largest multiple of grouped._ONEDNN_ROW_QUANTUM rows, then the rest: the 300-row
