@@ -392,7 +392,19 @@ void pack_rows_transposed(const Rows& x, int64_t rows, int64_t in_features, int6
     }
 }
 
-constexpr int64_t kRowChunkBytes = int64_t{1} << 19;  // packed rows of x per chunk (in L2)
+// The forward takes a block's rows in chunks whose packed part stays in L2 while every row tile
+// of w passes over it, w read again for each chunk: 512 KiB of packed rows, and twice that
+// where w is past 2^20 elements (then read from memory, not from the caches, each time; at
+// 512 KiB Mixtral's 3584-deep down projection took its 512-row blocks 64 rows at a time, eight
+// reads of a 7 MiB weight). 2-core Xeon, 8 weights at 512 rows, GFLOP/s (3 alternated runs):
+// 1024×3584 1754–1823 → 1910–1932 (one 1607), 7168×1024 1906–1921 → 1987–2060; layer bf16
+// forward Mixtral T = 1024 / 2048 34.4 → 31.6 / 59.4 → 55.4 ms, forward+backward T = 2048
+// 210 → 206; T = 512 19.4 → 18.2. The fine-grained 1M-element weights kept at 512 KiB: at 1
+// MiB 0.98–0.99× at T = 8192 (their 1024-row blocks), level at T = 2048.
+inline int64_t row_chunk_blocks(int64_t out_features, int64_t in_features) {
+  const int64_t bytes = out_features * in_features > (int64_t{1} << 20) ? int64_t{1} << 20 : int64_t{1} << 19;
+  return std::max<int64_t>(2, bytes / (in_features * 32) / 2 * 2);  // (pairs of 16-row blocks)
+}
 
 // Whether `linear` takes a weight [out_features, in_features] (any rows from 1).
 bool linear_fits(int64_t out_features, int64_t in_features) {
@@ -442,9 +454,7 @@ int linear(const Rows& x, const uint16_t* w, int64_t ldw, const Out& y, int64_t 
           store_tile(block.sums + (2 * i + j) * 256, y, m0, (block.col + i) * 16, n, true, false);
       }
     };
-    // the block's rows in chunks whose packed part stays in L2 while every row tile of w
-    // passes over it (w is read again for each chunk)
-    const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);
+    const int64_t chunk_blocks = row_chunk_blocks(out_features, in_features);  // (see there)
     for (int64_t mb0 = 0; mb0 < blocks; mb0 += chunk_blocks)
     for (int64_t ot = first; ot < last; ot += 2) {
       const int at = static_cast<int>(std::min<int64_t>(2, last - ot));
@@ -1037,7 +1047,7 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
       const int64_t r = s / every;
       if (s % every == 0 && r < current.count) row(r);
     };
-    const int64_t chunk_blocks = std::max<int64_t>(2, kRowChunkBytes / (in_features * 32) / 2 * 2);  // (as linear)
+    const int64_t chunk_blocks = row_chunk_blocks(2 * features, in_features);
     for (int64_t mb0 = 0; mb0 < blocks; mb0 += chunk_blocks)
     for (int64_t ft = first; ft < last; ft += 2)
     for (int64_t mb = mb0; mb < std::min(blocks, mb0 + chunk_blocks); mb += 2) {
