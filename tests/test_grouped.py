@@ -858,12 +858,17 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
 def test_float32_forward_blocks_past_256_rows_on_sgemm_where_torch_runs_at_avx512(monkeypatch, avx512):
     """Where torch runs at AVX-512 and MKL's sgemm at its full width (Intel's CPUs), forward
     blocks of 257–512 rows go to sgemm whole (grouped._ONEDNN_MAX_ROWS_AVX512), not to oneDNN's
-    inner product in row parts as on AVX2 CPUs; 65–256-row blocks go to oneDNN either way. The
-    float64 loop's outputs and gradients come out either way."""
+    inner product in row parts as on AVX2 CPUs; 65–256-row blocks go to oneDNN either way (of
+    torch's kernels: moe_ffn's own decline here). The float64 loop's outputs and gradients come
+    out either way."""
     if not grouped._onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
     monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: False)
     monkeypatch.setattr(grouped, "_torch_on_avx512", lambda: avx512)
+    # (moe_ffn's own float32 kernels, which take such blocks first on AVX2 CPUs, declining)
+    monkeypatch.setattr(grouped._small_gemm, "linear_into", lambda *args: False)
+    monkeypatch.setattr(grouped._small_gemm, "avx512_linear_into", lambda *args: False)
+    monkeypatch.setattr(grouped._small_gemm, "linear_blocks", lambda *args, **kwargs: None)
     assert grouped._ONEDNN_MAX_ROWS_AVX512 == 256
     rows = []
     real = torch.ops.mkldnn._linear_pointwise
