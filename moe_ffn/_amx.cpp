@@ -263,9 +263,16 @@ struct Operand {
   int64_t step;    // elements between steps of 32 along the sum
 };
 
-// The tile products of one 32×32 block, its sums left in the accumulator tiles 0–3.
-template <int AT, int BT>
-void block_products(const Operand& a, const Operand& b, int64_t steps, const float* init) {
+struct NoWork {
+  void operator()(int64_t) const {}
+};
+
+// The tile products of one 32×32 block, its sums left in the accumulator tiles 0–3;
+// `between(s)` after step s (work for the core's vector units placed among the tile
+// instructions: see linear_swiglu).
+template <int AT, int BT, typename Between = NoWork>
+void block_products(const Operand& a, const Operand& b, int64_t steps, const float* init,
+                    const Between& between = Between{}) {
   if (init) {  // partial sums of earlier steps, laid out as `tiles`
     _tile_loadd(0, init, 64);
     if (BT > 1) _tile_loadd(1, init + 256, 64);
@@ -288,6 +295,7 @@ void block_products(const Operand& a, const Operand& b, int64_t steps, const flo
       _tile_dpbf16ps(2, 5, 6);
       if (BT > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    between(s);
   }
 }
 
@@ -406,6 +414,20 @@ inline int64_t row_chunk_blocks(int64_t out_features, int64_t in_features) {
   return std::max<int64_t>(2, bytes / (in_features * 32) / 2 * 2);  // (pairs of 16-row blocks)
 }
 
+// The forward's B operand: x's rows packed (pack_rows_transposed) into the calling thread's
+// scratch memory by the team; null where that memory could not be had.
+const uint16_t* packed_rows(const Rows& x, int64_t rows, int64_t in_features, int threads, const Team& team) {
+  const int64_t blocks = (rows + 15) / 16;
+  uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
+  if (!xp) return nullptr;
+  on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
+    int64_t b0, b1;
+    share(blocks, 1, t, n, &b0, &b1);
+    pack_rows_transposed(x, rows, in_features, b0, b1, xp);
+  });
+  return xp;
+}
+
 // Whether `linear` takes a weight [out_features, in_features] (any rows from 1).
 bool linear_fits(int64_t out_features, int64_t in_features) {
   return ready() && out_features >= 16 && out_features % 16 == 0 && in_features >= 32 && in_features % 32 == 0;
@@ -415,13 +437,8 @@ int linear(const Rows& x, const uint16_t* w, int64_t ldw, const Out& y, int64_t 
            int64_t in_features, int threads, const Team& team) {
   if (!linear_fits(out_features, in_features) || rows < 1 || threads < 1) return -1;
   const int64_t blocks = (rows + 15) / 16;
-  uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
+  const uint16_t* xp = packed_rows(x, rows, in_features, threads, team);
   if (!xp) return -1;
-  on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
-    int64_t b0, b1;
-    share(blocks, 1, t, n, &b0, &b1);
-    pack_rows_transposed(x, rows, in_features, b0, b1, xp);
-  });
   const int64_t o_tiles = out_features / 16, steps = in_features / 32;
   const bool stream = stream_result(y, rows * out_features);
   on_team(team, std::min<int64_t>(threads, (o_tiles + 1) / 2), [&](int64_t t, int64_t n) {
@@ -941,30 +958,6 @@ inline __m256i swiglu16(__m512 g, __m512 u) {
   return ExactRound::bits(_mm512_mul_ps(ExactRound::rounded(act), u));
 }
 
-// A 2 × bt block of tile products (as block_products<2, bt>) with `between(s)` after step s: work
-// for the core's vector units placed among the tile instructions.
-template <typename Between>
-inline void gate_up_products(int bt, const Operand& a, const Operand& b, int64_t steps, const Between& between) {
-  compiler_fence();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, b.p + s * b.step, b.stride);
-    if (bt > 1) _tile_loadd(7, b.p + b.tile + s * b.step, b.stride);
-    _tile_loadd(4, a.p + s * a.step, a.stride);
-    _tile_dpbf16ps(0, 4, 6);
-    if (bt > 1) _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a.p + a.tile + s * a.step, a.stride);
-    _tile_dpbf16ps(2, 5, 6);
-    if (bt > 1) _tile_dpbf16ps(3, 5, 7);
-    compiler_fence();
-    between(s);
-    compiler_fence();
-  }
-}
-
 // Whether `linear_swiglu` takes a weight [2·features, in_features] (any rows from 1).
 bool linear_swiglu_fits(int64_t features, int64_t in_features) {
   return ready() && features >= 32 && features % 32 == 0 && in_features >= 32 && in_features % 32 == 0;
@@ -983,13 +976,8 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
                   int64_t rows, int64_t features, int64_t in_features, int threads, const Team& team) {
   if (!linear_swiglu_fits(features, in_features) || rows < 1 || threads < 1 || !a) return -1;
   const int64_t blocks = (rows + 15) / 16;
-  uint16_t* xp = scratch(static_cast<size_t>(blocks * in_features * 16));
+  const uint16_t* xp = packed_rows(x, rows, in_features, threads, team);
   if (!xp) return -1;
-  on_team(team, std::min<int64_t>(threads, blocks), [&](int64_t t, int64_t n) {
-    int64_t b0, b1;
-    share(blocks, 1, t, n, &b0, &b1);
-    pack_rows_transposed(x, rows, in_features, b0, b1, xp);
-  });
   const int64_t f_tiles = features / 16, steps = in_features / 32;
   const Out h_out{h, ldh, false}, a_out{a, lda, false};
   const bool stream_h = h && stream_result(h_out, rows * 2 * features), stream_a = stream_result(a_out, rows * features);
@@ -1008,7 +996,7 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
     } pending;
     int buffer = 0;
     // Row tile j of a pair's results (16 rows × 32 features of h's halves and of a) goes out
-    // row by row between the next products' steps (`gate_up_products`): the activation's vector
+    // row by row between the next products' steps (block_products' `between`): the activation's vector
     // work after a block's tile instructions waited for them to retire (the reorder buffer
     // filled), and took as long as a pass of its own. `prepare` transposes the row tile into
     // `rows_out` (gate features 0–15, 16–31, then up's), `row` finishes row r.
@@ -1045,7 +1033,9 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
     const int64_t every = std::max<int64_t>(1, steps / 16);
     auto between = [&](int64_t s) {
       const int64_t r = s / every;
+      compiler_fence();
       if (s % every == 0 && r < current.count) row(r);
+      compiler_fence();
     };
     const int64_t chunk_blocks = row_chunk_blocks(2 * features, in_features);
     for (int64_t mb0 = 0; mb0 < blocks; mb0 += chunk_blocks)
@@ -1057,7 +1047,9 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
         const Operand gate_up{w + (ft + k) * 16 * ldw, ldw * 2, features * ldw, 32};
         if (pending.sums) prepare(pending, k);  // the previous pair's row tile k, beside these products
         else current.count = 0;
-        gate_up_products(bt, gate_up, b, steps, between);
+        compiler_fence();
+        if (bt == 2) block_products<2, 2>(gate_up, b, steps, nullptr, between);
+        else block_products<2, 1>(gate_up, b, steps, nullptr, between);
         for (int64_t r = (steps + every - 1) / every; r < current.count; ++r) row(r);
         run_sums(2, bt, sums[buffer][k]);
       }
