@@ -235,8 +235,8 @@ def linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _blocks_entry_point(name: str):
-    """moe_ffn_amx_{name}_blocks (name "product": forward and input gradients; "weight_grad")
-    with its argument types, or None (as `_entry_points`)."""
+    """moe_ffn_amx_{name}_blocks (name "product": forward and input gradients; "weight_grad";
+    "swiglu_forward") with its argument types, or None (as `_entry_points`)."""
     import ctypes
 
     if _entry_points() is None:
@@ -247,6 +247,8 @@ def _blocks_entry_point(name: str):
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     if name == "weight_grad":  # (a, lda, b, ldb, b_index, b_source_rows, c, experts, c_expert, ldc, ...)
         head = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64]
+    elif name == "swiglu_forward":  # (x, ldx, index, source_rows, w, experts, w_expert, ldw, h, ldh, a, lda, ...)
+        head = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
     else:  # (input_grad, x, ldx, index, source_rows, w, experts, w_expert, ldw, y, ldy, ...)
         head = [c_int, ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64]
     fn.argtypes = head + [ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
@@ -359,23 +361,6 @@ def weight_grad_blocks(
     return _run_blocks(fn, openmp, head, blocks, again, (M, N))
 
 
-@functools.lru_cache(maxsize=None)
-def _swiglu_forward_entry_point():
-    """moe_ffn_amx_swiglu_forward_blocks with its argument types, or None (as `_entry_points`)."""
-    import ctypes
-
-    if _entry_points() is None:
-        return None
-    fn = getattr(_small_gemm.library(), "moe_ffn_amx_swiglu_forward_blocks", None)
-    if fn is None:
-        return None
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    # (x, ldx, index, source_rows, w, experts, w_expert, ldw, h, ldh, a, lda, blocks, count, F, I, ...)
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
-    fn.restype = c_int
-    return fn
-
-
 def swiglu_forward_blocks(
     h: Optional[Tensor], a: Tensor, x: Tensor, w_EHI: Tensor, blocks: list[tuple[int, int, int]],
     index: Optional[Tensor] = None,
@@ -392,20 +377,18 @@ def swiglu_forward_blocks(
     most = forward_max_rows((H, I))
     if not (H % 64 == 0 and takes_forward((H, I)) and w_EHI.stride(2) == 1 and all(0 < stop - start <= most for _, start, stop in blocks)):
         return False
-    fn, openmp = _swiglu_forward_entry_point(), _openmp((x,), a)
+    fn, openmp = _blocks_entry_point("swiglu_forward"), _openmp((x,), a)
     if fn is None or openmp is None or (h is not None and _small_gemm._kernel_for((x,), h) is None):
         return False
     rows = _rows_addressed(x, index)
     fits = x.shape[1] == I and a.shape[1] == F and (h is None or (h.shape[1] == H and h.shape[0] == a.shape[0]))
     shapes = f"{tuple(x.shape)}, {tuple(w_EHI.shape)}, {None if h is None else tuple(h.shape)}, {tuple(a.shape)}"
     _small_gemm._check_blocks("amx.swiglu_forward_blocks", blocks, min(rows, a.shape[0]) if fits else -1, E, shapes)
-    table = array.array("q", [v for e, start, stop in blocks for v in (e, start, stop, 0)])
-    status = fn(
+    head = (
         x.data_ptr(), x.stride(0), *_index_args(index, x), w_EHI.data_ptr(), E, w_EHI.stride(0), w_EHI.stride(1),
         None if h is None else h.data_ptr(), 0 if h is None else h.stride(0), a.data_ptr(), a.stride(0),
-        table.buffer_info()[0], len(blocks), F, I, torch.get_num_threads(), *openmp,
     )
-    return status == 0
+    return _run_blocks(fn, openmp, head, blocks, [0] * len(blocks), (F, I))
 
 
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
