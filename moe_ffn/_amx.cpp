@@ -21,8 +21,9 @@
 //   thread's columns at a time (sized with g's part to stay in L2, partial sums carried from
 //   chunk to chunk) and reused for every row tile of g.
 // - weight gradient: the sum runs over the block's rows, so one operand is transposed (a, the
-//   output gradient, into tile rows of 32 sums' steps) and the other interleaved two rows by
-//   two (b, the input's rows); both are a few rows deep, and the gradient is written row by row.
+//   output gradient, into tiles of 32 sums' steps) and the other interleaved two rows by two
+//   (b, the input's rows), each packed tile by tile into contiguous memory; the gradient is
+//   written row by row.
 // Every product uses four 16×16 float32 accumulator tiles (a 32×32 block of the result), two
 // A and two B tiles: each tile loaded feeds two TDPBF16PS.
 //
@@ -269,8 +270,10 @@ struct NoWork {
 
 // The tile products of one 32×32 block, its sums left in the accumulator tiles 0–3;
 // `between(s)` after step s (work for the core's vector units placed among the tile
-// instructions: see linear_swiglu).
-template <int AT, int BT, typename Between = NoWork>
+// instructions: see linear_swiglu). kStreamB: B's tiles loaded with TILELOADDT1, the hint that
+// they are not read again soon, which keeps them from pushing A's tiles out of L1 (see
+// weight_grad).
+template <int AT, int BT, bool kStreamB = false, typename Between = NoWork>
 void block_products(const Operand& a, const Operand& b, int64_t steps, const float* init,
                     const Between& between = Between{}) {
   if (init) {  // partial sums of earlier steps, laid out as `tiles`
@@ -285,8 +288,13 @@ void block_products(const Operand& a, const Operand& b, int64_t steps, const flo
     if (AT > 1 && BT > 1) _tile_zero(3);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, b.p + s * b.step, b.stride);
-    if (BT > 1) _tile_loadd(7, b.p + b.tile + s * b.step, b.stride);
+    if (kStreamB) {
+      _tile_stream_loadd(6, b.p + s * b.step, b.stride);
+      if (BT > 1) _tile_stream_loadd(7, b.p + b.tile + s * b.step, b.stride);
+    } else {
+      _tile_loadd(6, b.p + s * b.step, b.stride);
+      if (BT > 1) _tile_loadd(7, b.p + b.tile + s * b.step, b.stride);
+    }
     _tile_loadd(4, a.p + s * a.step, a.stride);
     _tile_dpbf16ps(0, 4, 6);
     if (BT > 1) _tile_dpbf16ps(1, 4, 7);
@@ -310,12 +318,13 @@ void block_sums(float* tiles) {  // the accumulators to tiles[(2i + j)·256]
 // The block's products (run_products), then its sums to `tiles` (run_sums), or both (run_block).
 // (The tile instructions are inline assembly: the fences keep the compiler from moving the
 // vector code that reads `tiles` across them.)
+template <bool kStreamB = false>
 void run_products(int at, int bt, const Operand& a, const Operand& b, int64_t steps, const float* init = nullptr) {
   compiler_fence();
-  if (at == 2 && bt == 2) block_products<2, 2>(a, b, steps, init);
-  else if (at == 2) block_products<2, 1>(a, b, steps, init);
-  else if (bt == 2) block_products<1, 2>(a, b, steps, init);
-  else block_products<1, 1>(a, b, steps, init);
+  if (at == 2 && bt == 2) block_products<2, 2, kStreamB>(a, b, steps, init);
+  else if (at == 2) block_products<2, 1, kStreamB>(a, b, steps, init);
+  else if (bt == 2) block_products<1, 2, kStreamB>(a, b, steps, init);
+  else block_products<1, 1, kStreamB>(a, b, steps, init);
 }
 
 void run_sums(int at, int bt, float* tiles) {
@@ -608,10 +617,14 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
   return 0;
 }
 
-// a [rows, R] into at [R, depth]: row r holds a[0:rows, r] with zeros to depth (a multiple of
-// 32); rows of a taken two by two (pairs of the sum's steps) and transposed in 32-bit units.
+// a [rows, R] into tiles: at + (t·steps + s)·512 holds the tile of row tile t (16 columns of a)
+// and step s (32 rows of a, zeros past `rows`), 16 × 32 contiguous, row r of the tile a[32s:32s+32,
+// 16t + r]; rows of a taken two by two (pairs of the sum's steps) and transposed in 32-bit units.
+// (Contiguous tiles rather than rows of a's columns `depth` apart: a tile's 16 rows 2–4 KiB apart
+// fell into one or two L1 sets and 16 pages.)
 void pack_transposed(const uint16_t* a, int64_t lda, int64_t rows, int64_t r0, int64_t r1, int64_t depth,
                      uint16_t* at) {
+  const int64_t steps = depth / 32;
   for (int64_t c = r0; c < r1; c += 16)  // 16 columns of a at a time
     for (int64_t k0 = 0; k0 < depth; k0 += 32) {
       __m512i v[16];
@@ -626,21 +639,24 @@ void pack_transposed(const uint16_t* a, int64_t lda, int64_t rows, int64_t r0, i
         interleave(even, odd, &v[p], &hi);  // v[p]: 16 units (a[k, c + j], a[k + 1, c + j])
       }
       transpose16(v);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(at + (c + j) * depth + k0, v[j]);
+      uint16_t* tile = at + ((c / 16) * steps + k0 / 32) * 512;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + j * 32, v[j]);
     }
 }
 
-// b [rows, Q] into pair layout bv [depth/2][Q][2], rows past `rows` zero; pair rows p0..p1.
-void pack_pairs(const Rows& b, int64_t rows, int64_t cols, int64_t p0, int64_t p1, uint16_t* bv) {
+// b [rows, Q] into groups of 32 columns in pair layout: bv + g·(depth/2)·64 holds columns
+// 32g..32g+31 as [depth/2][32][2], rows past `rows` zero; pair rows p0..p1. (A group's step, 16
+// pairs of rows, is 2 KiB in one piece; in rows of all Q columns its lines were Q·4 bytes apart.)
+void pack_pairs(const Rows& b, int64_t rows, int64_t cols, int64_t depth, int64_t p0, int64_t p1, uint16_t* bv) {
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t q = 0; q < cols; q += 32) {
-      const int64_t n = std::min<int64_t>(32, cols - q);
       __m512i lo, hi;
       const bool even = 2 * p < rows, odd = 2 * p + 1 < rows;  // (rows past `rows` not read)
-      interleave(load_row(even ? b.row(2 * p) + q : nullptr, n, even), load_row(odd ? b.row(2 * p + 1) + q : nullptr, n, odd),
+      interleave(load_row(even ? b.row(2 * p) + q : nullptr, 32, even), load_row(odd ? b.row(2 * p + 1) + q : nullptr, 32, odd),
                  &lo, &hi);
-      _mm512_storeu_si512(bv + (p * cols + q) * 2, lo);
-      if (n > 16) _mm512_storeu_si512(bv + (p * cols + q) * 2 + 32, hi);
+      uint16_t* line = bv + ((q / 32) * (depth / 2) + p) * 64;
+      _mm512_storeu_si512(line, lo);
+      _mm512_storeu_si512(line + 32, hi);
     }
 }
 
@@ -658,6 +674,17 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
   return ready() && r_count >= 16 && r_count % 16 == 0 && q_count >= 32 && q_count % 32 == 0;
 }
 
+// Each thread takes row tiles of c two by two; for each pair, a's two packed tiles over the
+// whole depth (32 · depth · 2 bytes) are read from L1 while b's column groups pass through the
+// products (loaded with the streaming hint: without it b's tiles pushed a's out of L1 where
+// their pairs exceeded ~40 KiB). Both packed tile by tile, in contiguous memory: in rows
+// `depth` or Q·4 bytes apart, each tile's 16 lines had fallen into one or two L1 sets and 16
+// pages. Same products in the same order (the same bits). Against those row layouts, GFLOP/s
+// on 2 threads (blocks of 8–32 experts, processes alternated twice): 7168×1024 at 256 / 512 /
+// 1024 / 2048 rows 1734–1891 / 1915–1917 / 1163–1202 / 592 → 1961–2017 / 2090–2103 /
+// 1663–1770 / 1390–1433, 1024×1024 at 512 / 1024 / 2048 1782–2050 / 1180–1254 / 646–655 →
+// 2065–2085 / 1588–1652 / 1475–1487, 1024×3584 at 512 / 2048 2190–2267 / 1086–1115 →
+// 2530–2539 / 1756–1815, 1024×512 at 2048 622–857 → 1086–1165; level at 16–64 rows.
 int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
   if (!weight_grad_fits(r_count, q_count) || rows < 1 || threads < 1) return -1;
@@ -672,7 +699,7 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
     share(r_tiles, 1, t, n, &first, &last);
     pack_transposed(a, lda, rows, first * 16, last * 16, depth, at);
     share(depth / 2, 1, t, n, &first, &last);
-    pack_pairs(b, rows, q_count, first, last, bv);
+    pack_pairs(b, rows, q_count, depth, first, last, bv);
   });
   const bool stream = !accumulate && stream_result(c, r_count * q_count, kStreamElements);
   const int64_t q_tiles = q_count / 16;
@@ -700,10 +727,10 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
     for (int64_t q0 = 0; q0 < q_tiles; q0 += chunk_tiles)
     for (int64_t rt = first; rt < last; rt += 2) {
       const int ta = static_cast<int>(std::min<int64_t>(2, last - rt));
-      const Operand oa{at + rt * 16 * depth, depth * 2, 16 * depth, 32};
+      const Operand oa{at + rt * 16 * depth, 64, 16 * depth, 512};
       for (int64_t qt = q0; qt < std::min(q_tiles, q0 + chunk_tiles); qt += 2) {
-        const Operand ob{bv + qt * 16 * 2, q_count * 4, 32, 32 * q_count};
-        run_products(ta, 2, oa, ob, steps);
+        const Operand ob{bv + (qt / 2) * depth * 32, 128, 32, 1024};
+        run_products</*kStreamB=*/true>(ta, 2, oa, ob, steps);
         late.next(store, Pending{rt, qt, ta, 2});
       }
     }
@@ -1048,8 +1075,8 @@ int linear_swiglu(const Rows& x, const uint16_t* w, int64_t ldw, uint16_t* h, in
         if (pending.sums) prepare(pending, k);  // the previous pair's row tile k, beside these products
         else current.count = 0;
         compiler_fence();
-        if (bt == 2) block_products<2, 2>(gate_up, b, steps, nullptr, between);
-        else block_products<2, 1>(gate_up, b, steps, nullptr, between);
+        if (bt == 2) block_products<2, 2, false>(gate_up, b, steps, nullptr, between);
+        else block_products<2, 1, false>(gate_up, b, steps, nullptr, between);
         for (int64_t r = (steps + every - 1) / every; r < current.count; ++r) row(r);
         run_sums(2, bt, sums[buffer][k]);
       }
