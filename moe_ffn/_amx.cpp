@@ -685,15 +685,32 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
 // 1663–1770 / 1390–1433, 1024×1024 at 512 / 1024 / 2048 1782–2050 / 1180–1254 / 646–655 →
 // 2065–2085 / 1588–1652 / 1475–1487, 1024×3584 at 512 / 2048 2190–2267 / 1086–1115 →
 // 2530–2539 / 1756–1815, 1024×512 at 2048 622–857 → 1086–1165; level at 16–64 rows.
+// Deeper sums (more rows) in chunks of kWeightGradDepthSteps steps, so that a's part of a pair
+// of row tiles (32 KiB) stays in L1; the sums of a group of kWeightGradGroupPairs pairs over a
+// chunk of b's columns wait in float32 between depth chunks (storing and reloading the
+// accumulators is exact: the same bits). GFLOP/s, 2 threads, whole depth → chunks of 16 steps,
+// groups of 8 pairs: 7168×1024 at 1024 / 2048 / 4096 rows 1700–1814 / 1529–1561 / 1099–1136 →
+// 1921–1989 / 1584–1600 / 1492–1518, 1024×3584 1701 / 1689 / 1461 → 2329 / 1981 / 1698,
+// 1024×1024 1757 / 1575 / 1320 → 1987 / 1663 / 1523, 1024×512 1586 / 1220 / 1070 → 1696 /
+// 1291 / 1160 (chunks of 8, 12 or 24 steps, groups of 4 or 16 pairs: below these).
+constexpr int64_t kWeightGradWholeSteps = 24, kWeightGradDepthSteps = 16, kWeightGradGroupPairs = 8;
+
 int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
   if (!weight_grad_fits(r_count, q_count) || rows < 1 || threads < 1) return -1;
   const int64_t depth = (rows + 31) / 32 * 32;
-  uint16_t* at = scratch(static_cast<size_t>(r_count * depth + depth * q_count));
+  const int64_t r_tiles = r_count / 16, q_tiles = q_count / 16, steps = depth / 32;
+  const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);
+  const bool whole = steps <= kWeightGradWholeSteps;
+  const int64_t k_steps = whole ? steps : kWeightGradDepthSteps;
+  const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (k_steps * 32 * 2 * 16) / 2 * 2);
+  const int64_t group_pairs = whole ? r_tiles : kWeightGradGroupPairs;
+  const int64_t partial_floats = whole ? 0 : group_pairs * (chunk_tiles / 2) * 1024;
+  uint16_t* at = scratch(static_cast<size_t>(r_count * depth + depth * q_count + count * partial_floats * 2 + 32));
   if (!at) return -1;
   uint16_t* bv = at + r_count * depth;
-  const int64_t r_tiles = r_count / 16, steps = depth / 32;
-  const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);
+  float* partials_all = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(bv + depth * q_count) + 63) / 64 * 64);
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(r_tiles, 1, t, n, &first, &last);
@@ -702,12 +719,11 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
     pack_pairs(b, rows, q_count, depth, first, last, bv);
   });
   const bool stream = !accumulate && stream_result(c, r_count * q_count, kStreamElements);
-  const int64_t q_tiles = q_count / 16;
-  const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (depth * 2 * 16) / 2 * 2);
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(r_tiles, 2, t, n, &first, &last);
     if (first >= last) return;
+    float* partials = partials_all + t * partial_floats;
     configure_tiles();
     // a block's results stored while the next block's products run (as in linear)
     LateStores late;  // a block's row: its first row tile of c (rt), col: its first column tile (qt)
@@ -723,15 +739,28 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
         }
       }
     };
-    // b's columns in chunks whose packed part stays in L2 while every row tile of a passes
-    for (int64_t q0 = 0; q0 < q_tiles; q0 += chunk_tiles)
-    for (int64_t rt = first; rt < last; rt += 2) {
-      const int ta = static_cast<int>(std::min<int64_t>(2, last - rt));
-      const Operand oa{at + rt * 16 * depth, 64, 16 * depth, 512};
-      for (int64_t qt = q0; qt < std::min(q_tiles, q0 + chunk_tiles); qt += 2) {
-        const Operand ob{bv + (qt / 2) * depth * 32, 128, 32, 1024};
-        run_products</*kStreamB=*/true>(ta, 2, oa, ob, steps);
-        late.next(store, Pending{rt, qt, ta, 2});
+    // b's columns in chunks whose packed part (of a depth chunk) stays in L2 while the row
+    // tiles of a pass; past kWeightGradWholeSteps, the row tiles in groups, each group's sums
+    // carried in float32 (`partials`) from depth chunk to depth chunk
+    for (int64_t q0 = 0; q0 < q_tiles; q0 += chunk_tiles) {
+      const int64_t q1 = std::min(q_tiles, q0 + chunk_tiles);
+      for (int64_t g0 = first; g0 < last; g0 += 2 * group_pairs) {
+        const int64_t g1 = std::min(last, g0 + 2 * group_pairs);
+        for (int64_t s0 = 0; s0 < steps; s0 += k_steps) {
+          const int64_t n_steps = std::min(k_steps, steps - s0);
+          const bool first_k = s0 == 0, last_k = s0 + n_steps == steps;
+          for (int64_t rt = g0; rt < g1; rt += 2) {
+            const int ta = static_cast<int>(std::min<int64_t>(2, g1 - rt));
+            const Operand oa{at + rt * 16 * depth + s0 * 512, 64, 16 * depth, 512};
+            for (int64_t qt = q0; qt < q1; qt += 2) {
+              const Operand ob{bv + (qt / 2) * depth * 32 + s0 * 1024, 128, 32, 1024};
+              float* partial = partials + (((rt - g0) / 2) * ((q1 - q0) / 2) + (qt - q0) / 2) * 1024;
+              run_products</*kStreamB=*/true>(ta, 2, oa, ob, n_steps, first_k ? nullptr : partial);
+              if (last_k) late.next(store, Pending{rt, qt, ta, 2});
+              else run_sums(ta, 2, partial);
+            }
+          }
+        }
       }
     }
     late.finish(store);

@@ -52,7 +52,13 @@ forward+backward, interleaved in one process, 7–9 rounds):
   (7168×1024 at 549 / 768 / 1024 rows 1088 / 1126 / 1215 → 1870 / 1459 / 1309 GFLOP/s,
   1024×1024 at 768 / 1024 rows 1038 / 1052 → 1427 / 1144, level at 1300 rows, 2048 rows 1030
   → 742; forward+backward Mixtral T = 2048 / 3072 / 4096 1.07 / 1.14 / 1.01×, fine-grained
-  T = 6144 / 8192 1.11 / 1.01×).
+  T = 6144 / 8192 1.11 / 1.01×); 4096 on 2026-12-05, with the operands packed tile by tile
+  and the deeper sums in chunks (_amx.cpp, weight_grad), where the kernel ran 1160–1698
+  GFLOP/s at 4096 rows against torch's 1042–1087 (1024×512 to 7168×1024): forward+backward
+  Mixtral T = 4096 / 8192 364–375 / 711–726 → 307–314 / 607–613 ms, fine-grained T = 8192
+  590–596 → 503–519 (library of the day, the limit alternated in separate processes). The
+  packed operands take (M + N) · rows · 2 bytes of the thread's scratch (32 MiB for
+  Mixtral's 7168×1024 at 2048 rows), kept for later calls.
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every
@@ -118,7 +124,7 @@ FORWARD_SMALL_WEIGHT = (1280, 1 << 20)
 INPUT_GRAD_MAX_ROWS = 128
 # ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
 INPUT_GRAD_SMALL_WEIGHT = (1024, 1 << 20)
-WEIGHT_GRAD_MAX_ROWS = 1024
+WEIGHT_GRAD_MAX_ROWS = 4096
 
 
 @functools.lru_cache(maxsize=None)

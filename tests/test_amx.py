@@ -299,10 +299,11 @@ def test_input_grad_matches_float64(rows, shape):
     assert fresh is not None and torch.equal(fresh.view(torch.int16), out.view(torch.int16))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 100, 500, _amx.WEIGHT_GRAD_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 100, 500, 800, _amx.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (272, 160), (2048, 1024)])
 def test_weight_grad_matches_float64(rows, shape):
-    """aᵀ·b over `rows` steps; from 500 rows b's columns in chunks. Into a slice 16 columns in
+    """aᵀ·b over `rows` steps; from 500 rows b's columns in chunks, past 768 the sums in depth
+    chunks (the row tiles in groups, a last group of one tile for 272 rows). Into a slice 16 columns in
     (not 64-byte aligned: stored through the caches) and into a fresh tensor (aligned: from
     kStreamElements, 2^19, past them, as the (2048, 1024) gradient is): the same bits."""
     _needs_amx()
@@ -317,16 +318,17 @@ def test_weight_grad_matches_float64(rows, shape):
     assert torch.equal(fresh.view(torch.int16), out.view(torch.int16))
 
 
+@pytest.mark.parametrize("rows", [40, 1000])
 @pytest.mark.parametrize("shape", [(48, 96), (2048, 1024)])
-def test_weight_grad_accumulates_onto_what_out_holds(shape):
+def test_weight_grad_accumulates_onto_what_out_holds(shape, rows):
     """out += aᵀ·b: the float32 sum added to out's bf16 values, rounded once more (never streamed)."""
     _needs_amx()
     m, n = shape
-    a, b = _strided(40, m), _strided(40, n)
+    a, b = _strided(rows, m), _strided(rows, n)
     init = torch.randn(m, n, dtype=bf16)
     out = init.clone()
     assert _amx.weight_grad_into(out, a.t(), b, accumulate=True)
-    assert _within_bf16_of(out, a.t(), b, 40, init=init)
+    assert _within_bf16_of(out, a.t(), b, rows, init=init)
 
 
 def test_results_round_to_nearest_even_as_torch_does():
