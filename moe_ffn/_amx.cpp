@@ -537,9 +537,33 @@ bool input_grad_fits(int64_t out_features, int64_t in_features) {
   return ready() && out_features >= 32 && out_features % 32 == 0 && in_features >= 32 && in_features % 32 == 0;
 }
 
+// More rows than this go in chunks of at most this many, as even as 16-row tiles allow, each
+// a product of its own (w interleaved again for each): the partial sums between depth chunks,
+// 4 KiB per pair of row tiles and group of 32 columns, outgrew L2 past ~512 rows (2 MiB a
+// thread at 1024 rows through 1024×1024). GFLOP/s, 2 threads, whole → chunks of 256:
+// 1024×512 at 512 / 768 / 1024 / 2048 rows 2131 / 1796 / 1248 / 722 → 2122 / 2127 / 2135 /
+// 2023, 1024×1024 at 1024 / 2048 1188 / 680 → 1844 / 1869 (chunks of 128 below; of 512 level
+// with 256); but chunks of 256 from 257 rows cost the layer where a block's last chunk came
+// out a few rows (the weight interleaved for them): fine-grained forward+backward T = 4096
+// 215 → 229–231 ms. Even chunks of at most 512: 530–700 rows level with whole (1753–1908 /
+// 1799–1981); the layer at T = 8192 486–496 → 461–463 ms, at T = 4096 (blocks of ~512 rows)
+// 222–230 → 222–238 (processes alternated, 4 runs each: level or a little behind).
+constexpr int64_t kInputGradRowChunk = 512;
+
 int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, const Out& y, int64_t rows,
                int64_t out_features, int64_t in_features, int threads, const Team& team) {
   if (!input_grad_fits(out_features, in_features) || rows < 1 || threads < 1) return -1;
+  if (rows > kInputGradRowChunk) {  // (see there)
+    const int64_t chunks = (rows + kInputGradRowChunk - 1) / kInputGradRowChunk;
+    const int64_t chunk = ((rows + chunks - 1) / chunks + 15) / 16 * 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t n = std::min(chunk, rows - r0);
+      const Out part{static_cast<char*>(y.p) + r0 * y.ld * (y.f32 ? 4 : 2), y.ld, y.f32};
+      const int status = input_grad(g + r0 * ldg, ldg, w, ldw, part, n, out_features, in_features, threads, team);
+      if (status != 0) return status;
+    }
+    return 0;
+  }
   const int64_t blocks = (rows + 15) / 16, pairs = (blocks + 1) / 2;
   // w in chunks of its depth: a chunk's rows over this thread's columns, interleaved into
   // groups of 32 columns, each used by every row tile of g; chunks sized so that one and g's

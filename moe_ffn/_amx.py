@@ -47,7 +47,12 @@ forward+backward, interleaved in one process, 7–9 rounds):
   1024 on 2026-12-04 (1024×512 at 512 / 768 / 1024 rows 966 / 1027 / 1045–1074 → 1549 / 1532
   / 1243–1307 GFLOP/s, 512×1024 1.12 / 1.02 / 0.98×; to 768 rows together with the forward's
   320 → 640 in one A/B: forward+backward fine-grained T = 4096 / 6144 1.13 / 1.03×; 768 →
-  1024 at T = 8192 1.02×, twice).
+  1024 at T = 8192 1.02×, twice); 2048 on 2026-12-05, with the rows in chunks of at most 512
+  (_amx.cpp, kInputGradRowChunk): a block past 1024 rows had gone as a 1024-row head and a
+  tail (1615–1729 GFLOP/s at 1030–1100 rows through 1024×512 / 1024×1024), torch's GEMM
+  whole ran 1280–2438 there, erratic by the count; the kernel whole 1943–2146 through 1024×512
+  at 1024–2048 rows; forward+backward fine-grained T = 8192, the limit alternated: 461–474 ms
+  either way (one run of 650); the chunks themselves took it from 486–529 to 461–468.
 - weight gradients (WEIGHT_GRAD_MAX_ROWS): 512 rows on 2026-12-01, 1024 on 2026-12-04
   (7168×1024 at 549 / 768 / 1024 rows 1088 / 1126 / 1215 → 1870 / 1459 / 1309 GFLOP/s,
   1024×1024 at 768 / 1024 rows 1038 / 1052 → 1427 / 1144, level at 1300 rows, 2048 rows 1030
@@ -123,7 +128,7 @@ FORWARD_MAX_ROWS = 640
 FORWARD_SMALL_WEIGHT = (1280, 1 << 20)
 INPUT_GRAD_MAX_ROWS = 128
 # ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
-INPUT_GRAD_SMALL_WEIGHT = (1024, 1 << 20)
+INPUT_GRAD_SMALL_WEIGHT = (2048, 1 << 20)
 WEIGHT_GRAD_MAX_ROWS = 4096
 
 
