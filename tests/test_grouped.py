@@ -896,12 +896,15 @@ def test_float32_forward_blocks_past_256_rows_on_sgemm_where_torch_runs_at_avx51
     assert sorted(r for r in rows if r >= 256) == ([] if avx512 else [256, 256])
 
 
-def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only):
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only, amx):
     """Native bf16 blocks on torch's GEMM (oneDNN's on CPUs; forced here) are multiplied as
     their largest multiple of grouped._ONEDNN_ROW_QUANTUM rows, then the rest: the 300-row
     block as 256 + 44 in the forward and in both input gradients, the 256- and 40-row blocks
-    whole. Outputs and gradients within bf16 rounding of the float64 loop."""
+    whole; on CPUs with AMX (`amx`, forced) every block whole. Outputs and gradients within
+    bf16 rounding of the float64 loop."""
     monkeypatch.setattr(grouped, "_lowp_is_slow", lambda t: False)
+    monkeypatch.setattr(grouped, "_bf16_blocks_whole", lambda: amx)
     assert grouped._ONEDNN_ROW_QUANTUM == 256
     rows = []
     for name in ("mm", "addmm"):
@@ -922,11 +925,12 @@ def test_bf16_blocks_reach_onednn_in_row_parts(monkeypatch, torch_kernels_only):
     w1_64, w2_64 = torch.randn(E, 2 * F, D, **f64) / D**0.5, torch.randn(E, D, F, **f64) / F**0.5
     leaves = [t.bfloat16().requires_grad_() for t in (x64, w1_64, w2_64)]
     y = grouped_ffn(*leaves, counts, None, None, activation="silu", gated=True)
-    assert sorted(rows) == sorted([256, 44, 256, 40] * 2)  # both projections
+    want_rows = sorted(([300] if amx else [256, 44]) + [256, 40]) * 2
+    assert sorted(rows) == sorted(want_rows)  # both projections
     g = torch.randn(N, D, **f64)
     rows.clear()
     got = torch.autograd.grad((y.double() * g).sum(), leaves)
-    assert sorted(rows) == sorted([256, 44, 256, 40] * 2)  # both input gradients
+    assert sorted(rows) == sorted(want_rows)  # both input gradients
     refs64 = [t.clone().requires_grad_() for t in (x64, w1_64, w2_64)]
     x, w1, w2 = (t.bfloat16().double() for t in refs64)  # the bf16 values, in float64
     outs = []
