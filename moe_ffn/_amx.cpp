@@ -711,8 +711,8 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
 }
 
 // Each thread takes row tiles of c two by two; for each pair, a's two packed tiles over the
-// whole depth (32 · depth · 2 bytes) are read from L1 while b's column groups pass through the
-// products (loaded with the streaming hint: without it b's tiles pushed a's out of L1 where
+// depth (32 · depth · 2 bytes, or a depth chunk's: below) are read from L1 while b's column
+// groups pass through the products (loaded with the streaming hint: without it b's tiles pushed a's out of L1 where
 // their pairs exceeded ~40 KiB). Both packed tile by tile, in contiguous memory: in rows
 // `depth` or Q·4 bytes apart, each tile's 16 lines had fallen into one or two L1 sets and 16
 // pages. Same products in the same order (the same bits). Against those row layouts, GFLOP/s
