@@ -728,8 +728,12 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
 // groups of 8 pairs: 7168×1024 at 1024 / 2048 / 4096 rows 1700–1814 / 1529–1561 / 1099–1136 →
 // 1921–1989 / 1584–1600 / 1492–1518, 1024×3584 1701 / 1689 / 1461 → 2329 / 1981 / 1698,
 // 1024×1024 1757 / 1575 / 1320 → 1987 / 1663 / 1523, 1024×512 1586 / 1220 / 1070 → 1696 /
-// 1291 / 1160 (chunks of 8, 12 or 24 steps, groups of 4 or 16 pairs: below these).
-constexpr int64_t kWeightGradWholeSteps = 24, kWeightGradDepthSteps = 16, kWeightGradGroupPairs = 8;
+// 1291 / 1160 (chunks of 8, 12 or 24 steps, groups of 4 or 16 pairs: below these). Past 20
+// steps (640 rows) in even chunks of at most 16 steps, rather than whole to 24 and then 16 at
+// a time (a last chunk of a few steps): 7168×1024 at 640 / 700 / 768 rows 1978–2008 / 1839–1970
+// / 1832–1843 → 2047–2128 / 1930–2076 / 1873–2025, 1024×3584 at 700 1643–2091 → 2099–2148,
+// 1024×1024 at 768 1660–1756 → 1851–1873; 1100 rows level.
+constexpr int64_t kWeightGradWholeSteps = 20, kWeightGradDepthSteps = 16, kWeightGradGroupPairs = 8;
 
 int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
@@ -738,7 +742,8 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
   const int64_t r_tiles = r_count / 16, q_tiles = q_count / 16, steps = depth / 32;
   const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);
   const bool whole = steps <= kWeightGradWholeSteps;
-  const int64_t k_steps = whole ? steps : kWeightGradDepthSteps;
+  const int64_t depth_chunks = (steps + kWeightGradDepthSteps - 1) / kWeightGradDepthSteps;
+  const int64_t k_steps = whole ? steps : (steps + depth_chunks - 1) / depth_chunks;  // (even chunks)
   const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (k_steps * 32 * 2 * 16) / 2 * 2);
   const int64_t group_pairs = whole ? r_tiles : kWeightGradGroupPairs;
   const int64_t partial_floats = whole ? 0 : group_pairs * (chunk_tiles / 2) * 1024;

@@ -303,7 +303,7 @@ def test_input_grad_matches_float64(rows, shape):
 @pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 100, 500, 800, _amx.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (272, 160), (2048, 1024)])
 def test_weight_grad_matches_float64(rows, shape):
-    """aᵀ·b over `rows` steps; from 500 rows b's columns in chunks, past 768 the sums in depth
+    """aᵀ·b over `rows` steps; from 500 rows b's columns in chunks, past 640 the sums in even depth
     chunks (the row tiles in groups, a last group of one tile for 272 rows). Into a slice 16 columns in
     (not 64-byte aligned: stored through the caches) and into a fresh tensor (aligned: from
     kStreamElements, 2^19, past them, as the (2048, 1024) gradient is): the same bits."""
