@@ -40,6 +40,15 @@ forward+backward, interleaved in one process, 7–9 rounds):
   1704–1802 (behind from 1500 rows; 1024×512 level at 1100 rows): forward fine-grained T =
   4096 (320 → 640) 1.23×, T = 6144 / 8192 (640 → 1024) 1.16 / 1.21×, T = 8192 (1024 → 1280)
   1.03× more; forward+backward T = 8192 1.06× and 1.025×.
+  640 → 1536 rows (fine-grained weights 1280 → 2048) on 2026-12-05, with x's packed rows
+  loaded under the streaming hint (_amx.cpp, stream_packed_rows) and torch's blocks whole:
+  GFLOP/s, kernel / torch's GEMM, 4 experts' blocks, two runs: 7168×1024 at 640 / 768 / 1024
+  / 1536 rows 2416–2533 / 2555–2646 / 2587–2696 / 2557–2651 against 1774–2010 / 2435–2450 /
+  2298–2551 / 2229–2633, 1024×3584 2160–2299 / 1683–2223 / 1837–2199 / 2125–2195 against
+  1546–2178 / 2109–2138 / 1637–2082 / 2108–2122; 1024×1024 / 1024×512 at 1536 / 2048 rows
+  2213 / 2248, 2450 / 2417 against 1861 / 2050, 2211 / 2230. Layer bf16 forward Mixtral T =
+  4096 (~1024-row blocks) 96.4–109.6 → 90.6–98.3 ms (limit alternated in separate processes,
+  twice), forward+backward within noise (318–349 either way); T = 2048 level.
 - input gradients (INPUT_GRAD_MAX_ROWS, INPUT_GRAD_SMALL_WEIGHT): 128 rows through Mixtral's
   2^21–2^23-element weights (256-row blocks lost on 2026-12-01, 123.3 → 127.0 ms at T =
   1024, and were level on 2026-12-04, 0.76–1.04× per product at 256–549 rows); through
@@ -123,11 +132,11 @@ from torch import Tensor
 
 from moe_ffn import _memory, _small_gemm
 
-FORWARD_MAX_ROWS = 640
-# ... and to 1280 rows through weights of at most 2^20 elements (fine-grained experts').
-FORWARD_SMALL_WEIGHT = (1280, 1 << 20)
+FORWARD_MAX_ROWS = 1536
+# ... and to 2048 rows through weights of at most 2^20 elements (fine-grained experts').
+FORWARD_SMALL_WEIGHT = (2048, 1 << 20)
 INPUT_GRAD_MAX_ROWS = 128
-# ... and to 1024 rows through weights of at most 2^20 elements (fine-grained experts').
+# ... and to 2048 rows through weights of at most 2^20 elements (fine-grained experts').
 INPUT_GRAD_SMALL_WEIGHT = (2048, 1 << 20)
 WEIGHT_GRAD_MAX_ROWS = 4096
 
