@@ -537,6 +537,13 @@ bool input_grad_fits(int64_t out_features, int64_t in_features) {
   return ready() && out_features >= 32 && out_features % 32 == 0 && in_features >= 32 && in_features % 32 == 0;
 }
 
+// `total` in the fewest chunks of at most `most`, as even as multiples of `unit` allow: the
+// chunks' size (the last may be smaller).
+inline int64_t even_chunk(int64_t total, int64_t most, int64_t unit) {
+  const int64_t chunks = (total + most - 1) / most;
+  return ((total + chunks - 1) / chunks + unit - 1) / unit * unit;
+}
+
 // More rows than this go in chunks of at most this many, as even as 16-row tiles allow, each
 // a product of its own (w interleaved again for each): the partial sums between depth chunks,
 // 4 KiB per pair of row tiles and group of 32 columns, outgrew L2 past ~512 rows (2 MiB a
@@ -554,8 +561,7 @@ int input_grad(const uint16_t* g, int64_t ldg, const uint16_t* w, int64_t ldw, c
                int64_t out_features, int64_t in_features, int threads, const Team& team) {
   if (!input_grad_fits(out_features, in_features) || rows < 1 || threads < 1) return -1;
   if (rows > kInputGradRowChunk) {  // (see there)
-    const int64_t chunks = (rows + kInputGradRowChunk - 1) / kInputGradRowChunk;
-    const int64_t chunk = ((rows + chunks - 1) / chunks + 15) / 16 * 16;
+    const int64_t chunk = even_chunk(rows, kInputGradRowChunk, 16);
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
       const int64_t n = std::min(chunk, rows - r0);
       const Out part{static_cast<char*>(y.p) + r0 * y.ld * (y.f32 ? 4 : 2), y.ld, y.f32};
@@ -742,8 +748,7 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
   const int64_t r_tiles = r_count / 16, q_tiles = q_count / 16, steps = depth / 32;
   const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);
   const bool whole = steps <= kWeightGradWholeSteps;
-  const int64_t depth_chunks = (steps + kWeightGradDepthSteps - 1) / kWeightGradDepthSteps;
-  const int64_t k_steps = whole ? steps : (steps + depth_chunks - 1) / depth_chunks;  // (even chunks)
+  const int64_t k_steps = whole ? steps : even_chunk(steps, kWeightGradDepthSteps, 1);
   const int64_t chunk_tiles = std::max<int64_t>(2, (int64_t{1} << 19) / (k_steps * 32 * 2 * 16) / 2 * 2);
   const int64_t group_pairs = whole ? r_tiles : kWeightGradGroupPairs;
   const int64_t partial_floats = whole ? 0 : group_pairs * (chunk_tiles / 2) * 1024;

@@ -135,6 +135,7 @@ _ONEDNN_ROW_QUANTUM = 256
 # 1912–1971 / 2011–2150, through 1024×3584 2313–2387 against 1812–2053; forward x·Wᵀ
 # through 7168×1024 at 1000 / 2000 / 2100 rows 2764 / 2538 / 3074 against 1972 / 2406 / 2805,
 # 1024×3584 2362–2545 against 2269–2363.
+@functools.lru_cache(maxsize=None)
 def _bf16_blocks_whole() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
