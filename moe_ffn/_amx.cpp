@@ -120,31 +120,6 @@ void configure_tiles() {
 
 inline void compiler_fence() { __asm__ volatile("" ::: "memory"); }  // tile loads/stores are asm
 
-// 16 rows of 16 32-bit units, transposed in registers.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // 4×4 blocks transposed within each 128-bit lane
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {  // then the 4×4 matrix of lanes
-    const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
-    t[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    t[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    t[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    t[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // Two rows of 32 bf16 into pair layout: lo holds (r0[n], r1[n]) for n < 16, hi for n = 16..31.
 inline void interleave(__m512i r0, __m512i r1, __m512i* lo, __m512i* hi) {
   alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,

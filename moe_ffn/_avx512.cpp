@@ -427,7 +427,77 @@ void whole_sums(const P& p, int64_t first, int64_t last_column) {
   matmul_pass<true, false>(p, 0, p.m, 0, p.k, first, last_column);
 }
 
+// The weight gradient from kPanelLeast to kPanelDepth rows k: c's rows [first, last) column
+// panel by column panel, each panel of b (k rows of 64 columns) copied once into contiguous
+// memory that stays in L1 while every strip of c's rows passes over it, and a's columns
+// [first, last) transposed once into `at` (each of c's rows' k values contiguous). Where they
+// lie, b's rows (the input's, 4–14 KiB apart) and a's (the output gradient's, 4–28 KiB apart)
+// fall into one or two L1 sets, so rows_range read both from L2 at every step. The columns past
+// the last whole panel as rows_range takes them. Returns false (nothing done) where `at` could
+// not be had. 2-core Xeon (2026-12-05; 8 weights in turn, GFLOP/s, rows_range → here,
+// alternated runs): 7168×1024 at 16 / 32 / 64 / 96 rows 183–185 / 227–241 / 245–250 / 254–259
+// → 207–220 / 265–275 / 293–296 / 275–289, 1024×3584 169–180 / 215–223 / 231–242 / 226–228 →
+// 243–251 / 265–271 / 302–320 / 318–319; 64 weights at 32 rows 1024×1024 202–204 → 243–247,
+// 1024×512 192–198 → 234–235; at 1–8 rows level.
+constexpr int64_t kPanelLeast = 16, kPanelDepth = 128;
+template <bool ACCUMULATE, bool STREAM>
+bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
+  alignas(64) static thread_local float panel[kPanelDepth * 64];
+  const int64_t count = last - first;
+  float* at = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>(count * p.k) * sizeof(float)));
+  if (at == nullptr) return false;
+  for (int64_t i0 = first; i0 < last; i0 += 16) {  // at[i - first][s] = a[s][i]
+    const int64_t ni = std::min<int64_t>(16, last - i0);
+    const __mmask16 in_lanes = static_cast<__mmask16>(ni == 16 ? 0xFFFF : (1u << ni) - 1);
+    for (int64_t s0 = 0; s0 < p.k; s0 += 16) {
+      const int64_t ns = std::min<int64_t>(16, p.k - s0);
+      __m512i r[16];
+      for (int64_t s = 0; s < 16; ++s)
+        r[s] = s < ns ? _mm512_castps_si512(_mm512_maskz_loadu_ps(in_lanes, p.a + (s0 + s) * p.lda + i0))
+                      : _mm512_setzero_si512();
+      transpose16(r);
+      const __mmask16 out_lanes = static_cast<__mmask16>(ns == 16 ? 0xFFFF : (1u << ns) - 1);
+      for (int64_t j = 0; j < ni; ++j)
+        _mm512_mask_storeu_ps(at + (i0 - first + j) * p.k + s0, out_lanes, _mm512_castsi512_ps(r[j]));
+    }
+  }
+  const int64_t whole = p.n / 64 * 64;
+  for (int64_t q = 0; q < whole; q += 64) {
+    for (int64_t s = 0; s < p.k; ++s)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(p.b + s * p.ldb + q + 16 * j));
+    const float* a = at;
+    float* c = p.c + first * p.ldc + q;
+    int64_t r = 0;
+    for (; r + 6 <= count; r += 6)
+      tile<6, 4, false, ACCUMULATE, STREAM, true>(a + r * p.k, p.k, panel, 64, c + r * p.ldc, p.ldc, p.k, 0xFFFF);
+    a += r * p.k;
+    c += r * p.ldc;
+    switch (count - r) {
+      case 5: tile<5, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      case 4: tile<4, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      case 3: tile<3, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      case 2: tile<2, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      case 1: tile<1, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      default: break;
+    }
+  }
+  if (whole < p.n) {
+    WeightGrad rest = p;
+    rest.b += whole, rest.c += whole, rest.n -= whole;
+    rows_range<ACCUMULATE, STREAM>(rest, first, last);  // (fences its streaming stores)
+  } else if (STREAM) {
+    _mm_sfence();
+  }
+  return true;
+}
+
 void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
+  if (p.k >= kPanelLeast && p.k <= kPanelDepth && p.n >= 128) {
+    if (p.accumulate ? panels_range<true, false>(p, first, last)
+        : p.stream   ? panels_range<false, true>(p, first, last)
+                     : panels_range<false, false>(p, first, last))
+      return;
+  }
   if (p.accumulate) rows_range<true, false>(p, first, last);
   else if (p.stream) rows_range<false, true>(p, first, last);
   else rows_range<false, false>(p, first, last);
