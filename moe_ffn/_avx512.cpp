@@ -344,28 +344,25 @@ using Linear = LinearOf<float>;
 
 constexpr int64_t kChunk = 512;  // elements of I per pass (a tile's rows of w and x in L1)
 
-// The sums of the 16 lanes of each of v[0..n) (n ≤ 8), as lanes 0..n-1 (the rest 0): the
-// vectors' lanes added pairwise within 128-bit lanes, then across them, several vectors to an
-// instruction (about 3 instructions a vector, against 8 for each vector reduced alone, which
-// took a fifth of a 512-deep chunk's instructions in 4×6 tiles). Each sum is a fixed tree:
-// ((l0 + l2) + (l1 + l3)) within each 128-bit lane l, then (lane 0 + lane 2) + (lane 1 + lane 3).
-inline __m256 lane_sums(const __m512* v, int n) {
-  __m512 w[8];
-  for (int j = 0; j < 8; ++j) w[j] = j < n ? v[j] : _mm512_setzero_ps();
-  __m512 pairs[4];  // per 128-bit lane: (a0 + a2, b0 + b2, a1 + a3, b1 + b3) of w[2j], w[2j+1]
-  for (int j = 0; j < 4; ++j)
-    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(w[2 * j], w[2 * j + 1]), _mm512_unpackhi_ps(w[2 * j], w[2 * j + 1]));
-  __m512 quads[2];  // per 128-bit lane: the lane's sums of w[4j..4j+3]
-  for (int j = 0; j < 2; ++j) {
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(pairs[2 * j]), _mm512_castps_pd(pairs[2 * j + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(pairs[2 * j]), _mm512_castps_pd(pairs[2 * j + 1]));
-    quads[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  // lanes (q0, q1, r0, r1) + (q2, q3, r2, r3), then each half's two lanes added
-  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 t = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps256(_mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(2, 0, 2, 0)));
+// Lane t of the result: the sum of v[t]'s 16 lanes, for 16 vectors at once (pairs of vectors
+// added across their halves level by level: 45 instructions, where a reduction of each vector
+// on its own takes about 8, 128 for 16); each sum a fixed tree: ((l0 + l2) + (l1 + l3)) within
+// each 128-bit lane, then (lane 0 + lane 1) + (lane 2 + lane 3). For the ends of both
+// forwards' dot-product tiles. bf16 (below), per product 1–16 rows: 1.00–1.08× (8–16 rows
+// through I = 512 most); layer forward T = 1 / 16 / 64 (11 rounds): Mixtral 1.02 / 1.02 /
+// 1.01×, fine 1.01 / 1.01 / 1.04×. float32 (linear_tile, 2-core Xeon, 2026-12-05, GFLOP/s):
+// 1024×1024 at 32 / 64 rows 148–154 / 173–187 → 159–162 / 191–196, 7168×1024 at 32 / 64
+// 170–171 / 193–197 → 175–176 / 198–208 (where each of the tile's 24 sums was reduced alone at
+// the end of each 512-deep chunk, a fifth of the chunk's instructions).
+inline __m512 sums16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of four vectors
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
 // ROWS rows of x against COLS rows of w over I's elements [k0, k0 + depth); the last depth % 16
@@ -394,11 +391,23 @@ void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
     }
   }
+  // two rows' sums at a time (sums16: row i's in lanes 0..COLS-1, row i+1's from lane 8), each
+  // row's stored by one masked store
+  static_assert(COLS <= 8, "two rows of sums to a vector");
   const __mmask8 cols = static_cast<__mmask8>((1u << COLS) - 1);
-  for (int i = 0; i < ROWS; ++i) {
-    __m256 sums = lane_sums(acc[i], COLS);
-    if (add) sums = _mm256_add_ps(sums, _mm256_maskz_loadu_ps(cols, y + i * ldy));
-    _mm256_mask_storeu_ps(y + i * ldy, cols, sums);
+  for (int i = 0; i < ROWS; i += 2) {
+    __m512 v[16];
+    for (int j = 0; j < 8; ++j) {
+      v[j] = j < COLS ? acc[i][j] : _mm512_setzero_ps();
+      v[8 + j] = j < COLS && i + 1 < ROWS ? acc[i + 1 < ROWS ? i + 1 : i][j] : _mm512_setzero_ps();
+    }
+    const __m512 sums = sums16(v);
+    for (int h = 0; h < 2 && i + h < ROWS; ++h) {
+      __m256 row = h == 0 ? _mm512_castps512_ps256(sums) : _mm512_extractf32x8_ps(sums, 1);
+      float* at = y + (i + h) * ldy;
+      if (add) row = _mm256_add_ps(row, _mm256_maskz_loadu_ps(cols, at));
+      _mm256_mask_storeu_ps(at, cols, row);
+    }
   }
 }
 
@@ -826,22 +835,6 @@ using LinearBf16 = LinearOf<bf16_t>;
 
 inline __m512bh pairs(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh pairs(const bf16_t* p, __mmask32 lanes) { return (__m512bh)_mm512_maskz_loadu_epi16(lanes, p); }
-
-// Lane t of the result: the sum of v[t]'s 16 lanes, for 16 vectors at once (pairs of vectors
-// added across their halves level by level: 45 instructions, where a reduction of each vector
-// on its own takes about 8, 128 for 16). In the dot-product tiles' ends, per product 1–16
-// rows: 1.00–1.08× (8–16 rows through I = 512 most); layer forward T = 1 / 16 / 64 (11
-// rounds): Mixtral 1.02 / 1.02 / 1.01×, fine 1.01 / 1.01 / 1.04×.
-inline __m512 sums16(const __m512 (&v)[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of four vectors
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
 
 template <int ROWS, int COLS>
 void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next, int next_rows) {
