@@ -18,7 +18,8 @@
 // sgemm runs these at 170–200 GFLOP/s at 64 rows, a large product at 350–440); outer
 // products in register tiles of 6 rows by 64 columns of c (24 accumulators of 16 lanes): for
 // each row k, 6 values of a broadcast and 4 vectors of b's row, 24 FMAs; the tile's sums run
-// over all k rows (b's 64 columns of them stay in L1) and each element of c is stored once,
+// over all k rows (from 16 rows, b's 64 columns of them copied where they stay in L1 and a's
+// columns transposed, panels_range) and each element of c is stored once,
 // never read (or read once and added to, accumulating). Large outputs from few rows are
 // stored past the caches (streaming stores): the gradient is read next by the optimizer, and
 // a store that first reads its line (to own it) doubles the memory traffic of a product that
