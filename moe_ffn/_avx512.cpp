@@ -171,6 +171,26 @@ void rows_range(const P& p, int64_t first, int64_t last) {
   if (STREAM) _mm_sfence();
 }
 
+// a's columns [first, last) over steps [0, steps) (a [steps, m], rows lda apart) transposed
+// into at [last - first, steps] (each column's steps contiguous), 16×16 blocks in registers.
+inline void transpose_columns(const float* a, int64_t lda, int64_t steps, int64_t first, int64_t last, float* at) {
+  for (int64_t i0 = first; i0 < last; i0 += 16) {
+    const int64_t ni = std::min<int64_t>(16, last - i0);
+    const __mmask16 in_lanes = static_cast<__mmask16>(ni == 16 ? 0xFFFF : (1u << ni) - 1);
+    for (int64_t s0 = 0; s0 < steps; s0 += 16) {
+      const int64_t ns = std::min<int64_t>(16, steps - s0);
+      __m512i r[16];
+      for (int64_t s = 0; s < 16; ++s)
+        r[s] = s < ns ? _mm512_castps_si512(_mm512_maskz_loadu_ps(in_lanes, a + (s0 + s) * lda + i0))
+                      : _mm512_setzero_si512();
+      transpose16(r);
+      const __mmask16 out_lanes = static_cast<__mmask16>(ns == 16 ? 0xFFFF : (1u << ns) - 1);
+      for (int64_t j = 0; j < ni; ++j)
+        _mm512_mask_storeu_ps(at + (i0 - first + j) * steps + s0, out_lanes, _mm512_castsi512_ps(r[j]));
+    }
+  }
+}
+
 // ---- product a·b (input gradients g·W) ---------------------------------------------------
 
 template <typename TA, typename TB, typename TC>
@@ -193,7 +213,11 @@ using Matmul = MatmulOf<float, float, float>;
 // two L1 sets and pushed the panel out. 2-core Xeon (2026-12-05, GFLOP/s, the copy without →
 // with, alternated runs): 7168×1024 at 32 / 64 rows 142–154 / 203–208 → 170–172 / 225–226,
 // 1024×3584 at 64 203–209 → 211–213, 64 weights 1024×1024 at 32 153–156 → 161–164. Chunks of
-// 64 steps (panel and a's part both in L1): 0.89–1.0×.
+// 64 steps (panel and a's part both in L1): 0.89–1.0×. With a's rows as the steps (a weight
+// gradient aᵀ·b past panels_range's rows), the chunk's part of a's columns is transposed into
+// such rows likewise: 64 weights at 256 rows 1024×1024 187–192 → 213–225, 1024×512 159–174 →
+// 196–197 (torch's sgemm 226–272 there, which the layer keeps on Intel's CPUs; this runs in the
+// layer on AMD's AVX-512 CPUs, sgemm_at_avx2_width, measured here as products alone).
 constexpr int64_t kMatmulDepth = 128;
 constexpr int64_t kMatmulRows = 96;
 
@@ -306,21 +330,23 @@ void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t 
     const int64_t r1 = std::min(last_row, r0 + kMatmulRows);
     for (int64_t s0 = 0; s0 < p.k; s0 += kMatmulDepth) {
       const int64_t depth = std::min(kMatmulDepth, p.k - s0);
-      if constexpr (A_ROWS) {
-        if (r1 - r0 > 6) {  // (see kMatmulDepth: a's rows copied)
-          if (float* packed = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>((r1 - r0) * depth) * 4))) {
+      if (r1 - r0 > 6) {  // (see kMatmulDepth: the chunk's part of a as contiguous rows of c's rows)
+        if (float* rows = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>((r1 - r0) * depth) * 4))) {
+          if constexpr (A_ROWS) {
             for (int64_t r = r0; r < r1; ++r)
               for (int64_t s = 0; s < depth; s += 16) {
                 const __mmask16 lanes = static_cast<__mmask16>(depth - s >= 16 ? 0xFFFF : (1u << (depth - s)) - 1);
-                _mm512_mask_storeu_ps(packed + (r - r0) * depth + s, lanes,
+                _mm512_mask_storeu_ps(rows + (r - r0) * depth + s, lanes,
                                       _mm512_maskz_loadu_ps(lanes, p.a + r * p.lda + s0 + s));
               }
-            // (k: the steps left from s0, which say where the next chunk's panel lies)
-            const Matmul q{packed, depth, p.b + s0 * p.ldb, p.ldb, p.c + r0 * p.ldc, p.ldc, r1 - r0, p.k - s0, p.n};
-            if (s0 == 0) matmul_pass<true, false>(q, 0, r1 - r0, 0, depth, first, last_column);
-            else matmul_pass<true, true>(q, 0, r1 - r0, 0, depth, first, last_column);
-            continue;
+          } else {
+            transpose_columns(p.a + s0 * p.lda, p.lda, depth, r0, r1, rows);
           }
+          // (k: the steps left from s0, which say where the next chunk's panel lies)
+          const Matmul q{rows, depth, p.b + s0 * p.ldb, p.ldb, p.c + r0 * p.ldc, p.ldc, r1 - r0, p.k - s0, p.n};
+          if (s0 == 0) matmul_pass<true, false>(q, 0, r1 - r0, 0, depth, first, last_column);
+          else matmul_pass<true, true>(q, 0, r1 - r0, 0, depth, first, last_column);
+          continue;
         }
       }
       if (s0 == 0) matmul_pass<A_ROWS, false>(p, r0, r1, s0, depth, first, last_column);
@@ -504,21 +530,7 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
   const int64_t count = last - first;
   float* at = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>(count * p.k) * sizeof(float)));
   if (at == nullptr) return false;
-  for (int64_t i0 = first; i0 < last; i0 += 16) {  // at[i - first][s] = a[s][i]
-    const int64_t ni = std::min<int64_t>(16, last - i0);
-    const __mmask16 in_lanes = static_cast<__mmask16>(ni == 16 ? 0xFFFF : (1u << ni) - 1);
-    for (int64_t s0 = 0; s0 < p.k; s0 += 16) {
-      const int64_t ns = std::min<int64_t>(16, p.k - s0);
-      __m512i r[16];
-      for (int64_t s = 0; s < 16; ++s)
-        r[s] = s < ns ? _mm512_castps_si512(_mm512_maskz_loadu_ps(in_lanes, p.a + (s0 + s) * p.lda + i0))
-                      : _mm512_setzero_si512();
-      transpose16(r);
-      const __mmask16 out_lanes = static_cast<__mmask16>(ns == 16 ? 0xFFFF : (1u << ns) - 1);
-      for (int64_t j = 0; j < ni; ++j)
-        _mm512_mask_storeu_ps(at + (i0 - first + j) * p.k + s0, out_lanes, _mm512_castsi512_ps(r[j]));
-    }
-  }
+  transpose_columns(p.a, p.lda, p.k, first, last, at);
   const int64_t whole = p.n / 64 * 64;
   for (int64_t q = 0; q < whole; q += 64) {
     for (int64_t s = 0; s < p.k; ++s)
