@@ -83,7 +83,7 @@ SwiGLU's elementwise work (grouped.py's `_hidden` and `_hidden_backward`): one p
 rows where torch's ops make two in the forward and seven in the backward (see there).
 
 On CPUs with AVX-512 (where `ranges()` keeps the AVX2 kernel to decode-sized blocks), two
-float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–96 rows and forward
+float32 kernels of _avx512.cpp take more: weight gradients aᵀ·b of 1–128 rows and forward
 products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `linear_blocks`
 for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's
 kernels; on CPUs with AVX512-BF16 but no AMX, bf16 blocks go to _avx512.cpp's bf16 entry
@@ -617,8 +617,14 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
 # 2^19 elements: fine-grained T=1 6.89 / 7.18 / 5.48 ms, T=16 72.7 / 62.9 / 51.8, T=64 94.2 /
 # 97.4 / 84.1; Mixtral T=1 11.0 / 9.0 / 7.8, T=16 51.4 / 47.1 / 44.0 (the kernel from 16 rows
 # streamed from 2^22 elements and 32 rows only); streaming from 2^17 elements, or only up to
-# 32 rows, was level with these (fine T=256 127.8 / 129.5 / 126.2 ms).
-AVX512_WEIGHT_GRAD_ROWS = (1, 96)
+# 32 rows, was level with these (fine T=256 127.8 / 129.5 / 126.2 ms). To 128 rows since the
+# kernel reads its operands from L1-resident copies from 16 rows (_avx512.cpp, panels_range;
+# 2026-12-05, GFLOP/s kernel / MKL at 128 rows, 8 or 64 weights in turn: 7168×1024 209–248 /
+# 219–223, 1024×3584 244–283 / 217–232, 1024×1024 253–263 / 191–203; past 128 rows, on its
+# old path, behind: 7168×1024 at 160 rows 194–205 / 226–239): layer fp32 forward+backward
+# fine-grained T = 1024 (blocks of ~128 rows) 455.6–519.1 → 411.4–432.7 ms (processes
+# alternated 3 times), Mixtral T = 512 level (303–321 / 297–318).
+AVX512_WEIGHT_GRAD_ROWS = (1, 128)
 _STREAM_ELEMENTS = 1 << 19
 
 

@@ -447,7 +447,7 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool = False, ov
         amd_avx512 = _small_gemm.sgemm_at_avx2_width()  # (MKL's sgemm at AVX2 width, see _small_gemm)
         limits = _small_gemm.SGEMM_AVX2_WEIGHT_GRAD_ROWS if amd_avx512 else None
         if _small_gemm.avx512_weight_grad_into(out, a, b, accumulate, limits=limits):
-            return  # float32 on AVX-512 CPUs, 1–96 rows (1–128 on AMD's; see _small_gemm); likewise
+            return  # float32 on AVX-512 CPUs, 1–128 rows (see _small_gemm); likewise
         if amd_avx512 and not accumulate and a.shape[1] > limits[1] and _small_gemm.avx512_matmul_into(out, a, b):
             return  # past those rows there, the blocked product (old contents not read)
         if _small_gemm.weight_grad_into(out, a, b, accumulate):

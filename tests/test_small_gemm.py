@@ -652,7 +652,7 @@ def _needs_avx512_kernel():
         pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 96])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 96, 128])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (1024, 512)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
