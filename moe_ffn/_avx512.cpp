@@ -423,13 +423,14 @@ void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
   static_assert(COLS <= 8, "two rows of sums to a vector");
   const __mmask8 cols = static_cast<__mmask8>((1u << COLS) - 1);
   for (int i = 0; i < ROWS; i += 2) {
+    const bool pair = i + 1 < ROWS;
     __m512 v[16];
     for (int j = 0; j < 8; ++j) {
       v[j] = j < COLS ? acc[i][j] : _mm512_setzero_ps();
-      v[8 + j] = j < COLS && i + 1 < ROWS ? acc[i + 1 < ROWS ? i + 1 : i][j] : _mm512_setzero_ps();
+      v[8 + j] = j < COLS && pair ? acc[pair ? i + 1 : i][j] : _mm512_setzero_ps();
     }
     const __m512 sums = sums16(v);
-    for (int h = 0; h < 2 && i + h < ROWS; ++h) {
+    for (int h = 0; h < (pair ? 2 : 1); ++h) {
       __m256 row = h == 0 ? _mm512_castps512_ps256(sums) : _mm512_extractf32x8_ps(sums, 1);
       float* at = y + (i + h) * ldy;
       if (add) row = _mm256_add_ps(row, _mm256_maskz_loadu_ps(cols, at));
@@ -511,30 +512,28 @@ void whole_sums(const P& p, int64_t first, int64_t last_column) {
   matmul_pass<true, false>(p, 0, p.m, 0, p.k, first, last_column);
 }
 
-// The weight gradient from kPanelLeast to kPanelDepth rows k: c's rows [first, last) column
+// The weight gradient from kPanelLeast to kMatmulDepth rows k: c's rows [first, last) column
 // panel by column panel, each panel of b (k rows of 64 columns) copied once into contiguous
 // memory that stays in L1 while every strip of c's rows passes over it, and a's columns
 // [first, last) transposed once into `at` (each of c's rows' k values contiguous). Where they
 // lie, b's rows (the input's, 4–14 KiB apart) and a's (the output gradient's, 4–28 KiB apart)
 // fall into one or two L1 sets, so rows_range read both from L2 at every step. The columns past
-// the last whole panel as rows_range takes them. Returns false (nothing done) where `at` could
-// not be had. 2-core Xeon (2026-12-05; 8 weights in turn, GFLOP/s, rows_range → here,
+// the last whole panel as rows_range takes them; the panels by pack_panel (the blocked
+// product's, kMatmulDepth deep). Returns false (nothing done) where `at` could not be had. 2-core Xeon (2026-12-05; 8 weights in turn, GFLOP/s, rows_range → here,
 // alternated runs): 7168×1024 at 16 / 32 / 64 / 96 rows 183–185 / 227–241 / 245–250 / 254–259
 // → 207–220 / 265–275 / 293–296 / 275–289, 1024×3584 169–180 / 215–223 / 231–242 / 226–228 →
 // 243–251 / 265–271 / 302–320 / 318–319; 64 weights at 32 rows 1024×1024 202–204 → 243–247,
 // 1024×512 192–198 → 234–235; at 1–8 rows level.
-constexpr int64_t kPanelLeast = 16, kPanelDepth = 128;
+constexpr int64_t kPanelLeast = 16;
 template <bool ACCUMULATE, bool STREAM>
 bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
-  alignas(64) static thread_local float panel[kPanelDepth * 64];
   const int64_t count = last - first;
   float* at = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>(count * p.k) * sizeof(float)));
   if (at == nullptr) return false;
   transpose_columns(p.a, p.lda, p.k, first, last, at);
   const int64_t whole = p.n / 64 * 64;
   for (int64_t q = 0; q < whole; q += 64) {
-    for (int64_t s = 0; s < p.k; ++s)
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(p.b + s * p.ldb + q + 16 * j));
+    const float* panel = pack_panel(p.b + q, p.ldb, p.k, nullptr);
     const float* a = at;
     float* c = p.c + first * p.ldc + q;
     int64_t r = 0;
@@ -562,7 +561,7 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
 }
 
 void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
-  if (p.k >= kPanelLeast && p.k <= kPanelDepth && p.n >= 128) {
+  if (p.k >= kPanelLeast && p.k <= kMatmulDepth && p.n >= 128) {
     if (p.accumulate ? panels_range<true, false>(p, first, last)
         : p.stream   ? panels_range<false, true>(p, first, last)
                      : panels_range<false, false>(p, first, last))
