@@ -1874,3 +1874,42 @@ extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64
   return slot_sum(p, out_rows, src_bf16 != 0, out_bf16 != 0, threads,
                   moe_ffn_team::make_team(parallel, thread_num, num_threads));
 }
+
+// A routed SwiGLU layer's forward over decode-sized float32 blocks in one call: the rows of x
+// (x [tokens, dim], ldx) picked by token [rows] copied into xg [rows, dim], h = xg·w1_eᵀ
+// ([rows, 2F], gate | up) by `linear1`, a = silu(gate)·up ([rows, F]) by moe_ffn_swiglu_f32,
+// y = a·w2_eᵀ ([rows, dim]) by `linear2`, and out[token[n]] += weight[n]·y[n] (float32 out
+// [tokens, dim], contiguous rows) by moe_ffn_scatter_add_rows; w1 [E, 2F, dim] and w2 [E, dim,
+// F], experts w1_expert / w2_expert elements apart, rows ldw1 / ldw2. linear1 and linear2:
+// the linear-blocks entry points (moe_ffn_linear_blocks_f32's signature) the caller would call
+// for each projection. These are the calls grouped.py's decode path makes one by one, on the
+// same buffers in the same order: the same sums, with one crossing from Python instead of
+// five (each a few tens of µs of a 1–3 ms decode step, most of it spent with the caches
+// emptied by the weights just read). Returns 0, or -1 where a token is outside [0, tokens)
+// (nothing written) or a step declines (then out is untouched, and h, xg, a, y may hold anything).
+using LinearBlocksF32 = int (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
+                                const int64_t*, int64_t, int64_t, int64_t, int, void*, void*, void*);
+
+extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
+                                                const float* weight, const float* w1, int64_t w1_expert, int64_t ldw1,
+                                                const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim,
+                                                int64_t features, const int64_t* blocks, int64_t count, int64_t rows,
+                                                float* xg, float* h, float* a, float* y, float* out, void* linear1,
+                                                void* linear2, int threads, void* parallel, void* thread_num,
+                                                void* num_threads) {
+  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(float) * dim);
+  const int64_t width = 2 * features;
+  if (reinterpret_cast<LinearBlocksF32>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width,
+                                                 dim, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (moe_ffn_swiglu_f32(h, width, a, features, rows, features, 0, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (reinterpret_cast<LinearBlocksF32>(linear2)(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count,
+                                                 dim, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, 0, dim, weight, rows, dim, threads, parallel, thread_num,
+                                  num_threads);
+}

@@ -230,6 +230,7 @@ def library() -> Optional[ctypes.CDLL]:
         product_bf16b = lib.moe_ffn_product_bf16b
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
         scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
+        routed_swiglu = lib.moe_ffn_routed_swiglu_blocks_f32
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -252,7 +253,9 @@ def library() -> Optional[ctypes.CDLL]:
     product_bf16b.argtypes = product_bf16.argtypes
     scatter_add.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64] + team
     slot_sum.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
-    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum):
+    routed_swiglu.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
+    routed_swiglu.argtypes += [ptr] * 7 + team
+    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu):
         fn.restype = ctypes.c_int
     return lib
 
@@ -399,10 +402,18 @@ def _rows_fit(blocks: list[tuple[int, int, int]], most: int) -> bool:
 # kernel's packed operands) raises, since blocks already computed may have been added to.
 
 
+def _block_table(blocks, accumulate=None) -> tuple[array.array, int, int]:
+    """(table, its address, its entries): the blocks as the *_blocks entry points read them,
+    int64s (expert, start, stop, accumulate) each. (An array.array, not a tensor: 2.5 against
+    8.7 µs for 8 blocks, 14 against 32 for 59.) Keep the table while the address is used."""
+    flags = accumulate if accumulate is not None else [False] * len(blocks)
+    table = array.array("q", [v for (e, start, stop), acc in zip(blocks, flags) for v in (e, start, stop, acc)])
+    return table, table.buffer_info()[0], len(blocks)
+
+
 def _blocks_call(fn, blocks, accumulate, *args) -> None:
-    # (an array.array, not a tensor: 2.5 against 8.7 µs for 8 blocks, 14 against 32 for 59)
-    table = array.array("q", [v for (e, start, stop), acc in zip(blocks, accumulate) for v in (e, start, stop, acc)])
-    if fn(*args[:8], table.buffer_info()[0], len(blocks), *args[8:]) != 0:
+    table, address, count = _block_table(blocks, accumulate)
+    if fn(*args[:8], address, count, *args[8:]) != 0:
         raise RuntimeError(f"{fn.__name__}: the kernel failed on {len(blocks)} blocks (out of memory?)")
 
 
@@ -433,6 +444,21 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
         if found is not None and _writable_rows(y):
             _through_experts("linear_blocks", found[0][2], found[1], x, w_EOI, y, blocks, transposed=True)
             return y
+    found = _linear_blocks_kernel(x, w_EOI, blocks, out)
+    if found is None:
+        return None
+    fn, openmp = found
+    y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
+    if bf16:  # x widened to float32 once (a few rows, as linear_into widens them)
+        x = x.float()
+    _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
+    return y
+
+
+def _linear_blocks_kernel(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor]):
+    """(the entry point, torch's OpenMP entry points) that `linear_blocks` runs these blocks
+    on, for x and out as it was given them (dtypes checked there); None where it does not run."""
+    bf16 = x.dtype == torch.bfloat16
     avx512 = None if bf16 else _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
     if bf16:
         most = min(MAX_ROWS, ranges().bf16)
@@ -446,13 +472,56 @@ def linear_blocks(x: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], 
     if kernel is None:
         return None
     lib, openmp = kernel
-    y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
-    if bf16:  # x widened to float32 once (a few rows, as linear_into widens them)
-        fn, x = lib.moe_ffn_linear_blocks_bf16, x.float()
-    else:
-        fn = avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32
-    _through_experts("linear_blocks", fn, openmp, x, w_EOI, y, blocks, transposed=True)
-    return y
+    if bf16:
+        return lib.moe_ffn_linear_blocks_bf16, openmp
+    return (avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32), openmp
+
+
+def routed_swiglu_blocks(
+    x_TD: Tensor, token_N: Tensor, weight_N: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]]
+) -> Optional[tuple[Tensor, Tensor]]:
+    """A routed SwiGLU layer's forward over decode-sized float32 blocks in one call of the
+    kernel (`moe_ffn_routed_swiglu_blocks_f32`): (out_TD, h_NH), out_TD[t] = Σ weight_N[n]·
+    (silu(gate)·up)(x_TD[token_N[n]]·w1_EHD[e]ᵀ)·w2_EDF[e]ᵀ over the rows n of token t (zeros for a
+    token without rows), h_NH the rows' first projection (gate | up), where the blocks (expert,
+    start, stop) cover rows 0..N in order. The steps are the calls grouped.py's decode path
+    makes (the gather, `linear_blocks` for each projection, `swiglu`, `scatter_add_rows`) on the
+    kernels those calls choose, in the same order: the same bits. None where one of them would
+    not run on its kernel (then the caller makes them); a token out of range raises."""
+    E, H, D = w1_EHD.shape
+    N, F = token_N.shape[0], H // 2
+    if not (
+        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype == weight_N.dtype == torch.float32
+        and x_TD.dim() == 2 and x_TD.shape[1] == D and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0
+        and tuple(w2_EDF.shape) == (E, D, F) and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
+        and _rows_contiguous(x_TD) and token_N.dtype == torch.int64 and weight_N.shape == token_N.shape
+        and token_N.is_contiguous() and weight_N.is_contiguous() and weight_N.device.type == "cpu"
+        and blocks and blocks[0][1] == 0 and blocks[-1][2] == N
+        and all(b[2] == c[1] for b, c in zip(blocks, blocks[1:]))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xg_ND, h_NH = _memory.scratch(x_TD, N, D), x_TD.new_empty(N, H)
+    a_NF, y_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
+    first = _linear_blocks_kernel(xg_ND, w1_EHD, blocks, h_NH)
+    second = _linear_blocks_kernel(a_NF, w2_EDF, blocks, y_ND)
+    if first is None or second is None:
+        return None
+    _check_blocks("routed_swiglu_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    out_TD = x_TD.new_zeros(x_TD.shape[0], D)
+    table, address, count = _block_table(blocks)
+    status = lib.moe_ffn_routed_swiglu_blocks_f32(
+        x_TD.data_ptr(), x_TD.stride(0), x_TD.shape[0], token_N.data_ptr(), weight_N.data_ptr(),
+        w1_EHD.data_ptr(), w1_EHD.stride(0), w1_EHD.stride(1), w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1),
+        E, D, F, address, count, N, xg_ND.data_ptr(), h_NH.data_ptr(), a_NF.data_ptr(), y_ND.data_ptr(),
+        out_TD.data_ptr(), ctypes.cast(first[0], ctypes.c_void_p), ctypes.cast(second[0], ctypes.c_void_p),
+        torch.get_num_threads(), *first[1],
+    )
+    if status != 0:
+        raise RuntimeError(f"routed_swiglu_blocks: a token index out of range [0, {x_TD.shape[0]}) or a step declined")
+    return out_TD, h_NH
 
 
 def float32_blocks_max_rows(x: Tensor) -> int:

@@ -1100,9 +1100,10 @@ def _count_calls(monkeypatch, ran: dict, names: tuple[str, ...]) -> None:
         monkeypatch.setattr(_small_gemm, name, counted)
 
 
-@pytest.mark.parametrize("T, path", [(4, "decode"), (24, "blocks"), (24, "per-block")])
+@pytest.mark.parametrize("T, path", [(4, "decode"), (4, "decode apart"), (24, "blocks"), (24, "per-block")])
 def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T, path):
-    """decode (T=4: 8 assignments over 4 experts, every block decode-sized): each forward
+    """decode (T=4: 8 assignments over 4 experts, every block decode-sized): the whole forward
+    in one call (routed_swiglu_blocks); decode apart (that call declining): each forward
     projection in one call for all blocks (linear_blocks without `out`); blocks (T=24: ~12 rows
     each): every product of a group of experts in one call (linear_blocks into the group's rows,
     input_grad_blocks, weight_grad_blocks), none block by block; per-block (the *_blocks entry
@@ -1112,13 +1113,22 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T,
     _avx2_kernels(monkeypatch)
     if path == "per-block":
         _per_block(monkeypatch)
+    if path == "decode apart":
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_blocks", lambda *args: None)
     ran = {}
-    _count_calls(monkeypatch, ran, ("linear_blocks", "input_grad_blocks", "weight_grad_blocks", "linear_into", "input_grad", "weight_grad_into"))
+    _count_calls(monkeypatch, ran, (
+        "linear_blocks", "input_grad_blocks", "weight_grad_blocks", "linear_into", "input_grad", "weight_grad_into",
+        "routed_swiglu_blocks",
+    ))
     _layer_against_float64(T=T)
     single = ran.get("linear_into", 0), ran.get("input_grad", 0), ran.get("weight_grad_into", 0)
     if path == "decode":
+        assert ran.get("routed_swiglu_blocks", 0) == 1
+        assert ran.get("linear_blocks decode", 0) == 0 and ran.get("linear_blocks", 0) == 0
+    elif path == "decode apart":
         assert ran.get("linear_blocks decode", 0) == 2 and ran.get("linear_blocks", 0) == 0
     elif path == "blocks":
+        assert ran.get("routed_swiglu_blocks", 0) == 0
         assert ran.get("linear_blocks decode", 0) == 0 and ran.get("linear_blocks", 0) >= 2
         assert ran.get("input_grad_blocks", 0) >= 2 and ran.get("weight_grad_blocks", 0) >= 2 and single == (0, 0, 0)
     else:
@@ -1257,6 +1267,82 @@ def _some_blocks(N: int, experts: int, E: int, most: int) -> list[tuple[int, int
     starts = sorted(torch.randperm(N - 1)[: 2 * experts].tolist())
     blocks = [(i % E, starts[2 * i], starts[2 * i + 1] + 1) for i in range(experts)]
     return [b for b in blocks if 0 < b[2] - b[1] <= most] + [(E - 1, N - 1, N)]
+
+
+def _routed_decode(T: int, K: int, E: int, D: int, F: int):
+    """A routed decode step's pieces: x [T + 1, D] (the last token without rows), w1 [E, 2F, D]
+    (rows with a stride of their own), w2 [E, D, F], and each token's K distinct experts sorted by
+    expert as the plan sorts them: (x, w1, w2, token [T·K], expert [T·K], weight [T·K], blocks)."""
+    x = torch.randn(T + 1, D)
+    w1 = (torch.randn(E, 2 * F, D + 4) / D**0.5)[:, :, 2 : D + 2]
+    w2 = torch.randn(E, D, F) / F**0.5
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    token, expert = order // K, ids[order]
+    blocks, start = [], 0
+    for e, count in enumerate(torch.bincount(ids, minlength=E).tolist()):
+        if count:
+            blocks.append((e, start, start + count))
+            start += count
+    return x, w1, w2, token, expert, torch.rand(T * K), blocks
+
+
+@pytest.mark.parametrize("kernel", ["avx2", "avx512"])
+@pytest.mark.parametrize("T, K", [(1, 2), (3, 2), (5, 8)])
+def test_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, kernel, T, K):
+    """The decode forward in one call: out and h bit for bit what the gather, linear_blocks for
+    each projection, swiglu and scatter_add_rows make one by one (grouped.py's decode path
+    without it), on the AVX2 kernel or this CPU's AVX-512 one, with experts without rows and
+    blocks of one to five rows; out within the float64 bound of the per-row loop, zeros for the
+    token without rows."""
+    _needs_kernel()
+    if kernel == "avx2":
+        _avx2_kernels(monkeypatch)
+    else:
+        _needs_avx512_kernel()
+    torch.manual_seed(10 * T + K)
+    E, D, F = 9, 40, 24
+    x, w1, w2, token, expert, weight, blocks = _routed_decode(T, K, E, D, F)
+    got = _small_gemm.routed_swiglu_blocks(x, token, weight, w1, w2, blocks)
+    assert got is not None
+    out, h = got
+    xg = x.index_select(0, token)
+    h_apart = _small_gemm.linear_blocks(xg, w1, blocks)
+    a = _small_gemm.swiglu(h_apart)
+    y = _small_gemm.linear_blocks(a, w2, blocks)
+    out_apart = torch.zeros(T + 1, D)
+    assert _small_gemm.scatter_add_rows(out_apart, token, y, weight)
+    assert torch.equal(h, h_apart) and torch.equal(out, out_apart)
+    assert (out[T] == 0).all()
+    ref = torch.zeros(T + 1, D, dtype=torch.float64)
+    for n in range(T * K):
+        h_n = w1[expert[n]].double() @ x[token[n]].double()
+        ref[token[n]] += weight[n].double() * (w2[expert[n]].double() @ (torch.nn.functional.silu(h_n[:F]) * h_n[F:]))
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take(monkeypatch):
+    """None, nothing computed, where a step would not run on its kernel or the blocks do not
+    cover the rows in order: float64 combine weights (a router in float64), bf16, a block past
+    the kernel's rows, a gap between blocks or none at row 0, a weight whose rows are not
+    contiguous; a ValueError for an expert out of range; a RuntimeError for a token out of range."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(4)
+    x, w1, w2, token, _, weight, blocks = _routed_decode(3, 2, 5, 32, 16)
+    call = _small_gemm.routed_swiglu_blocks
+    assert call(x, token, weight, w1, w2, blocks) is not None
+    assert call(x, token, weight.double(), w1, w2, blocks) is None
+    assert call(x.bfloat16(), token, weight, w1.bfloat16(), w2.bfloat16(), blocks) is None
+    assert call(x, token, weight, w1, w2, blocks[:-1]) is None  # rows past the blocks
+    assert call(x, token, weight, w1, w2, [(e, s + 1, t + 1) for e, s, t in blocks]) is None
+    assert call(x, token, weight, w1, w2.transpose(1, 2).contiguous().transpose(1, 2), blocks) is None
+    many = _small_gemm.PACKED_MAX_ROWS + 1  # one block of more rows than the forward kernels take
+    assert call(x, torch.zeros(many, dtype=torch.int64), torch.rand(many), w1, w2, [(0, 0, many)]) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        call(x, token, weight, w1, w2, [(5, b[1], b[2]) for b in blocks])
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(x, torch.full_like(token, x.shape[0]), weight, w1, w2, blocks)
 
 
 @pytest.mark.parametrize("rows", [3, 80])
