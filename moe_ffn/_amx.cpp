@@ -1281,3 +1281,37 @@ extern "C" int moe_ffn_amx_swiglu_backward_bf16(const uint16_t* h, int64_t ldh, 
   const Swiglu p{h, ldh, da, ldda, weight, a, lda, dh, lddh, dweight, features};
   return dh && da ? swiglu(p, rows, threads, make_team(parallel, thread_num, num_threads)) : -1;
 }
+
+extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64_t out_rows, const int64_t* token,
+                                     const void* src, int src_bf16, int64_t lds, const float* weight, int64_t rows,
+                                     int64_t cols, int64_t* index, int threads, void* parallel, void* thread_num,
+                                     void* num_threads);
+
+// A routed SwiGLU layer's bf16 forward over blocks the AMX kernels take, in one call: h = x·w1ᵀ
+// and a = silu(gate)·up of the rows x[token[n]] (moe_ffn_amx_swiglu_forward_blocks, gathering
+// them as it packs them; h null: not written), y = a·w2ᵀ (moe_ffn_amx_product_blocks), and
+// each token's bf16 row of out = Σ weight[n]·y[n] over its rows (moe_ffn_slot_sum_rows: every
+// row of out [tokens, dim] written, zeros for a token without rows; `index` its int64
+// workspace of tokens + 1 + rows). w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert /
+// w2_expert elements apart, rows ldw1 / ldw2), a [rows, F] and y [rows, dim] contiguous. The
+// calls grouped.py's forward makes one by one at decode, on the same buffers in the same
+// order: the same bits, with one crossing from Python instead of three and the Python around
+// them. Returns 0, or -1 where a step declines (out untouched; h, a, y may hold anything).
+extern "C" int moe_ffn_amx_routed_swiglu_blocks(const uint16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
+                                                const float* weight, const uint16_t* w1, int64_t w1_expert,
+                                                int64_t ldw1, const uint16_t* w2, int64_t w2_expert, int64_t ldw2,
+                                                int64_t experts, int64_t dim, int64_t features, const int64_t* blocks,
+                                                int64_t count, int64_t rows, uint16_t* h, uint16_t* a, uint16_t* y,
+                                                uint16_t* out, int64_t* index, int threads, void* parallel,
+                                                void* thread_num, void* num_threads) {
+  if (rows < 1 || tokens < 1 || dim < 1 || features < 1) return -1;
+  if (moe_ffn_amx_swiglu_forward_blocks(x, ldx, token, tokens, w1, experts, w1_expert, ldw1, h, 2 * features, a,
+                                        features, blocks, count, features, dim, threads, parallel, thread_num,
+                                        num_threads) != 0)
+    return -1;
+  if (moe_ffn_amx_product_blocks(0, a, features, nullptr, rows, w2, experts, w2_expert, ldw2, y, dim, blocks, count,
+                                 dim, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_slot_sum_rows(out, 1, dim, tokens, token, y, 1, dim, weight, rows, dim, index, threads, parallel,
+                               thread_num, num_threads);
+}

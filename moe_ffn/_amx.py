@@ -411,6 +411,65 @@ def swiglu_forward_blocks(
     return _run_blocks(fn, openmp, head, blocks, [0] * len(blocks), (F, I))
 
 
+@functools.lru_cache(maxsize=None)
+def _routed_swiglu_entry_point():
+    """moe_ffn_amx_routed_swiglu_blocks with its argument types, or None (as `_entry_points`)."""
+    import ctypes
+
+    fn = getattr(_small_gemm.library(), "moe_ffn_amx_routed_swiglu_blocks", None) if _entry_points() is not None else None
+    if fn is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
+    fn.argtypes += [ptr] * 5 + [ctypes.c_int, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def routed_swiglu_blocks(
+    x_TD: Tensor, token_N: Tensor, weight_N: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]],
+    keep_h: bool,
+) -> Optional[tuple[Tensor, Tensor]]:
+    """A routed SwiGLU layer's bf16 forward in one call of the kernel
+    (`moe_ffn_amx_routed_swiglu_blocks`): (out_TD, h_NH), out_TD[t] = Σ weight_N[n]·y[n] over the
+    rows n of token t rounded once to bf16 (zeros for a token without rows), y = a·w2_EDF[e]ᵀ, a
+    = silu(gate)·up of h_NH = x_TD[token_N[n]]·w1_EHD[e]ᵀ, where the blocks (expert, start, stop)
+    cover rows 0..N in order; h_NH kept (scratch memory) with `keep_h`, else empty. The calls
+    grouped.py's forward makes for them one by one (`swiglu_forward_blocks` gathering the rows,
+    `linear_blocks`, `_small_gemm.slot_sum_rows`), on the same buffers in the same order: the
+    same bits. None where one of them would not run (nothing written)."""
+    E, H, D = w1_EHD.shape
+    N, F = token_N.shape[0], H // 2
+    if not (
+        blocks and _bf16(x_TD, w1_EHD, w2_EDF) and weight_N.dtype == torch.float32 and weight_N.shape == token_N.shape
+        and weight_N.is_contiguous() and weight_N.device.type == "cpu" and _index_fits(token_N)
+        and x_TD.dim() == 2 and x_TD.shape[1] == D and x_TD.shape[0] > 0 and tuple(w2_EDF.shape) == (E, D, F)
+        and H % 64 == 0 and takes_forward((H, D)) and takes_forward((D, F))
+        and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
+        and blocks[0][1] == 0 and blocks[-1][2] == N and all(b[2] == c[1] for b, c in zip(blocks, blocks[1:]))
+        and all(0 < stop - start <= min(forward_max_rows((H, D)), forward_max_rows((D, F))) for _, start, stop in blocks)
+    ):
+        return None
+    fn, openmp = _routed_swiglu_entry_point(), _openmp((x_TD,), None)
+    if fn is None or openmp is None:
+        return None
+    _small_gemm._check_blocks("amx.routed_swiglu_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    h_NH = _memory.scratch(x_TD, N, H) if keep_h else None
+    a_NF, y_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
+    out_TD = x_TD.new_empty(x_TD.shape[0], D)
+    index = torch.empty(x_TD.shape[0] + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
+    table, address, count = _small_gemm._block_table(blocks)
+    status = fn(
+        x_TD.data_ptr(), x_TD.stride(0), x_TD.shape[0], token_N.data_ptr(), weight_N.data_ptr(), w1_EHD.data_ptr(),
+        w1_EHD.stride(0), w1_EHD.stride(1), w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address,
+        count, N, None if h_NH is None else h_NH.data_ptr(), a_NF.data_ptr(), y_ND.data_ptr(), out_TD.data_ptr(),
+        index.data_ptr(), torch.get_num_threads(), *openmp,
+    )
+    if status != 0:
+        return None
+    return out_TD, (h_NH if keep_h else x_TD.new_empty(0, H))
+
+
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
     """g·w_t for w_t = w.t() (bf16 g [rows, O], w [O, I] with contiguous rows) by the kernel,
     into `out` [rows, I] or a new tensor; None where it does not run (`out` untouched)."""

@@ -667,8 +667,10 @@ def test_swiglu_forward_blocks_decline_what_they_do_not_take():
 def test_bf16_layer_forward_with_the_activation_in_the_product_is_the_two_passes(monkeypatch):
     """A bf16 SwiGLU layer's forward (training: h kept; inference: h not written) bit for bit the
     same with the activation in the first projection's product as with the product and
-    `swiglu`'s pass after it; the one-pass product ran in both."""
+    `swiglu`'s pass after it; the one-pass product ran in both. (The group's calls as the loop
+    makes them, not in one: routed_swiglu_blocks is tested below.)"""
     _needs_amx()
+    monkeypatch.setattr(_amx, "routed_swiglu_blocks", lambda *a, **k: None)
     calls = []
     real = _amx.swiglu_forward_blocks
     monkeypatch.setattr(_amx, "swiglu_forward_blocks", lambda h, *a, **k: calls.append(h is None) or real(h, *a, **k))
@@ -683,6 +685,76 @@ def test_bf16_layer_forward_with_the_activation_in_the_product_is_the_two_passes
     with torch.no_grad():
         two_passes = moe(x)
     assert torch.equal(inference, two_passes) and torch.equal(training.detach(), two_passes)
+
+
+def _routed_rows(T: int, K: int, E: int, D: int, F: int):
+    """x [T + 1, D] (the last token without rows), w1 [E, 2F, D] (rows with a stride of their
+    own), w2 [E, D, F], each token's K distinct experts sorted by expert as the plan sorts them:
+    (x, w1, w2, token [T·K], weight [T·K], blocks), all bf16 but the float32 weights."""
+    x = torch.randn(T + 1, D, dtype=bf16)
+    w1 = (torch.randn(E, 2 * F, D + 32) / D**0.5).to(bf16)[:, :, 16 : D + 16]
+    w2 = (torch.randn(E, D, F) / F**0.5).to(bf16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    blocks, start = [], 0
+    for e, count in enumerate(torch.bincount(ids, minlength=E).tolist()):
+        if count:
+            blocks.append((e, start, start + count))
+            start += count
+    return x, w1, w2, order // K, torch.rand(T * K), blocks
+
+
+@pytest.mark.parametrize("T, K", [(1, 2), (4, 2), (6, 5), (40, 2)])
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_routed_swiglu_blocks_are_the_forwards_calls_one_by_one(T, K, keep_h):
+    """A routed bf16 SwiGLU forward in one call: out and h bit for bit what
+    swiglu_forward_blocks (gathering the token rows), linear_blocks and slot_sum_rows make one by
+    one, experts without rows included; h not written without keep_h; zeros for a token without
+    rows; out within one bf16 rounding of the rows' weighted sum in float64 (the layer against
+    the float64 loop: test_bf16_layer_runs_on_the_kernel_and_matches_float64, whose T = 3 and
+    40 run this call)."""
+    _needs_amx()
+    torch.manual_seed(10 * T + K)
+    E, D, F = 7, 64, 96
+    x, w1, w2, token, weight, blocks = _routed_rows(T, K, E, D, F)
+    got = _amx.routed_swiglu_blocks(x, token, weight, w1, w2, blocks, keep_h)
+    assert got is not None
+    out, h = got
+    N = T * K
+    h_apart, a = torch.empty(N, 2 * F, dtype=bf16), torch.empty(N, F, dtype=bf16)
+    assert _amx.swiglu_forward_blocks(h_apart, a, x, w1, blocks, index=token)
+    y = torch.empty(N, D, dtype=bf16)
+    assert _amx.linear_blocks(y, a, w2, blocks)
+    out_apart = torch.empty(T + 1, D, dtype=bf16)
+    assert _small_gemm.slot_sum_rows(out_apart, token, y, weight)
+    assert torch.equal(out.view(torch.int16), out_apart.view(torch.int16))
+    assert torch.equal(h.view(torch.int16), h_apart.view(torch.int16)) if keep_h else h.numel() == 0
+    assert (out[T] == 0).all()
+    sums = torch.zeros(T + 1, D, dtype=torch.float64)
+    sums.index_add_(0, token, weight.double()[:, None] * y.double())
+    assert ((out.double() - sums).abs() <= U16 * sums.abs() + 1e-6 * sums.abs().max()).all()
+
+
+def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take():
+    """None, nothing written, where one of the calls would not run or the blocks do not cover the
+    rows in order: float32 tensors, float64 combine weights, a block past the forward's rows, a
+    gap between blocks, F not a multiple of 32; a ValueError for an expert out of range."""
+    _needs_amx()
+    torch.manual_seed(5)
+    x, w1, w2, token, weight, blocks = _routed_rows(3, 2, 5, 64, 96)
+    call = _amx.routed_swiglu_blocks
+    assert call(x, token, weight, w1, w2, blocks, True) is not None
+    assert call(x.float(), token, weight, w1.float(), w2.float(), blocks, True) is None
+    assert call(x, token, weight.double(), w1, w2, blocks, True) is None
+    assert call(x, token, weight, w1, w2, blocks[:-1], True) is None
+    assert call(x, token, weight, w1, w2, [(e, s + 1, t + 1) for e, s, t in blocks], True) is None
+    most = _amx.forward_max_rows((192, 64))
+    many = torch.zeros(most + 1, dtype=torch.int64)
+    assert call(x, many, torch.rand(most + 1), w1, w2, [(0, 0, most + 1)], True) is None
+    x48, w1_48, w2_48, token48, weight48, blocks48 = _routed_rows(3, 2, 5, 64, 48)  # 2F = 96: not a multiple of 64
+    assert call(x48, token48, weight48, w1_48, w2_48, blocks48, True) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        call(x, token, weight, w1, w2, [(5, s, t) for _, s, t in blocks], True)
 
 
 # --- a bf16 layer on the kernel against the float64 loop ------------------------------------
@@ -725,6 +797,14 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
         return done
 
     monkeypatch.setattr(_amx, "swiglu_forward_blocks", swiglu_counted)
+    real_routed = _amx.routed_swiglu_blocks
+
+    def routed_counted(x, token, weight, w1, w2, blocks, keep_h):  # (both projections, one call)
+        done = real_routed(x, token, weight, w1, w2, blocks, keep_h)
+        ran["linear"] += 2 * len(blocks) if done is not None else 0
+        return done
+
+    monkeypatch.setattr(_amx, "routed_swiglu_blocks", routed_counted)
     blocks_counted("input_grad", "input_grad_blocks")
     blocks_counted("weight_grad", "weight_grad_blocks")
     monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
