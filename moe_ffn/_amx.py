@@ -441,12 +441,10 @@ def routed_swiglu_blocks(
     E, H, D = w1_EHD.shape
     N, F = token_N.shape[0], H // 2
     if not (
-        blocks and _bf16(x_TD, w1_EHD, w2_EDF) and weight_N.dtype == torch.float32 and weight_N.shape == token_N.shape
-        and weight_N.is_contiguous() and weight_N.device.type == "cpu" and _index_fits(token_N)
+        _bf16(x_TD, w1_EHD, w2_EDF) and _index_fits(token_N) and _small_gemm.routed_rows_fit(token_N, weight_N, blocks)
         and x_TD.dim() == 2 and x_TD.shape[1] == D and x_TD.shape[0] > 0 and tuple(w2_EDF.shape) == (E, D, F)
         and H % 64 == 0 and takes_forward((H, D)) and takes_forward((D, F))
         and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
-        and blocks[0][1] == 0 and blocks[-1][2] == N and all(b[2] == c[1] for b, c in zip(blocks, blocks[1:]))
         and all(0 < stop - start <= min(forward_max_rows((H, D)), forward_max_rows((D, F))) for _, start, stop in blocks)
     ):
         return None

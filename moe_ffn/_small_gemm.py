@@ -477,6 +477,18 @@ def _linear_blocks_kernel(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[
     return (avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32), openmp
 
 
+def routed_rows_fit(token_N: Tensor, weight_N: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether a routed step's rows fit the one-call forwards (`routed_swiglu_blocks`, and
+    `_amx.routed_swiglu_blocks`): float32 combine weights, one per row, contiguous on the CPU,
+    and blocks that cover the rows 0..N in order, each after the one before."""
+    N = token_N.shape[0]
+    return (
+        weight_N.dtype == torch.float32 and weight_N.shape == token_N.shape and weight_N.is_contiguous()
+        and weight_N.device.type == "cpu" and bool(blocks) and blocks[0][1] == 0 and blocks[-1][2] == N
+        and all(b[2] == c[1] for b, c in zip(blocks, blocks[1:]))
+    )
+
+
 def routed_swiglu_blocks(
     x_TD: Tensor, token_N: Tensor, weight_N: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]]
 ) -> Optional[tuple[Tensor, Tensor]]:
@@ -491,13 +503,11 @@ def routed_swiglu_blocks(
     E, H, D = w1_EHD.shape
     N, F = token_N.shape[0], H // 2
     if not (
-        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype == weight_N.dtype == torch.float32
-        and x_TD.dim() == 2 and x_TD.shape[1] == D and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0
-        and tuple(w2_EDF.shape) == (E, D, F) and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
-        and _rows_contiguous(x_TD) and token_N.dtype == torch.int64 and weight_N.shape == token_N.shape
-        and token_N.is_contiguous() and weight_N.is_contiguous() and weight_N.device.type == "cpu"
-        and blocks and blocks[0][1] == 0 and blocks[-1][2] == N
-        and all(b[2] == c[1] for b, c in zip(blocks, blocks[1:]))
+        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype == torch.float32 and x_TD.dim() == 2 and x_TD.shape[1] == D
+        and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0 and tuple(w2_EDF.shape) == (E, D, F)
+        and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
+        and _rows_contiguous(x_TD) and token_N.dtype == torch.int64 and token_N.is_contiguous()
+        and routed_rows_fit(token_N, weight_N, blocks)
     ):
         return None
     lib = library()
