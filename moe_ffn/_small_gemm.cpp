@@ -1913,3 +1913,23 @@ extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int
   return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, 0, dim, weight, rows, dim, threads, parallel, thread_num,
                                   num_threads);
 }
+
+// A routing plan's order without capacity: order[i] = the i-th of the n assignments (t·top_k +
+// k, expert ids[t·top_k + k]) sorted by expert, equal experts in their own order (a counting
+// sort: the order a stable sort gives), counts[e] = the assignments of expert e, token[i] =
+// order[i] / top_k. One call where torch made four small ops (argsort, bincount, the division,
+// and their dispatch), most of a decode step's plan. Returns 0, or -1 where an id is outside
+// [0, experts) (nothing written).
+extern "C" int moe_ffn_plan_rows(const int64_t* ids, int64_t n, int64_t experts, int64_t top_k, int64_t* order,
+                                 int64_t* counts, int64_t* token) {
+  if (n < 0 || experts < 1 || top_k < 1) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= experts) return -1;
+  std::fill(counts, counts + experts, int64_t{0});
+  for (int64_t i = 0; i < n; ++i) ++counts[ids[i]];
+  std::vector<int64_t> next(static_cast<size_t>(experts));
+  for (int64_t e = 0, at = 0; e < experts; ++e) next[e] = at, at += counts[e];
+  for (int64_t i = 0; i < n; ++i) order[next[ids[i]]++] = i;
+  for (int64_t i = 0; i < n; ++i) token[i] = order[i] / top_k;
+  return 0;
+}

@@ -231,6 +231,7 @@ def library() -> Optional[ctypes.CDLL]:
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
         scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
         routed_swiglu = lib.moe_ffn_routed_swiglu_blocks_f32
+        plan_rows_fn = lib.moe_ffn_plan_rows
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -255,7 +256,8 @@ def library() -> Optional[ctypes.CDLL]:
     slot_sum.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
     routed_swiglu.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
     routed_swiglu.argtypes += [ptr] * 7 + team
-    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu):
+    plan_rows_fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu, plan_rows_fn):
         fn.restype = ctypes.c_int
     return lib
 
@@ -475,6 +477,26 @@ def _linear_blocks_kernel(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[
     if bf16:
         return lib.moe_ffn_linear_blocks_bf16, openmp
     return (avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32), openmp
+
+
+def plan_rows(ids_N: Tensor, num_experts: int, top_k: int) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """(order_N, counts_E, token_N) of a routing plan without capacity, by the kernel
+    (`moe_ffn_plan_rows`): order_N the assignments sorted by expert, equal experts in their own
+    order (torch.argsort(ids_N, stable=True)'s), counts_E = torch.bincount(ids_N, minlength=E),
+    token_N = order_N // top_k, all int64. None where it does not run (not CPU int64, compiling,
+    no library); a ValueError for an id outside [0, num_experts)."""
+    if not (ids_N.dtype == torch.int64 and ids_N.dim() == 1 and ids_N.device.type == "cpu" and ids_N.is_contiguous()):
+        return None
+    if torch.compiler.is_compiling() or library() is None or num_experts < 1 or top_k < 1:
+        return None
+    n = ids_N.shape[0]
+    order_N, token_N = ids_N.new_empty(n), ids_N.new_empty(n)
+    counts_E = ids_N.new_empty(num_experts)
+    if library().moe_ffn_plan_rows(
+        ids_N.data_ptr(), n, num_experts, top_k, order_N.data_ptr(), counts_E.data_ptr(), token_N.data_ptr()
+    ) != 0:
+        raise ValueError(f"plan_rows: expert ids must lie in [0, {num_experts}), got some outside it")
+    return order_N, counts_E, token_N
 
 
 def routed_rows_fit(token_N: Tensor, weight_N: Tensor, blocks: list[tuple[int, int, int]]) -> bool:

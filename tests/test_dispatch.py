@@ -84,3 +84,28 @@ def test_plan_without_inverse_is_refused_by_permute():
     assert p.inverse_TK is None and p.token_N.tolist() == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="inverse=True"):
         dispatch.permute(torch.randn(2, 3), p)
+
+
+@pytest.mark.parametrize("T, K, E", [(0, 2, 8), (1, 2, 8), (5, 8, 64), (3, 1, 4), (4096, 8, 64)])
+def test_plan_on_the_kernel_is_the_plan_of_torchs_ops(monkeypatch, T, K, E):
+    """The CPU plan by the kernel (a counting sort, `_small_gemm.plan_rows`): order, counts,
+    tokens and inverse exactly those of torch's stable argsort, bincount and division (the plan
+    with the kernel switched off), experts without assignments included; an id out of range
+    raises a ValueError."""
+    from moe_ffn import _small_gemm
+
+    if _small_gemm.library() is None:
+        pytest.skip("the kernel library is not built here")
+    torch.manual_seed(T + K + E)
+    ids = torch.randint(0, E, (T, K))
+    ran = []
+    real = _small_gemm.plan_rows
+    monkeypatch.setattr(_small_gemm, "plan_rows", lambda *a: ran.append(1) or real(*a))
+    kernel = dispatch.plan(ids, torch.rand(T, K), E)
+    assert ran
+    monkeypatch.setattr(_small_gemm, "plan_rows", lambda *a: None)
+    ops = dispatch.plan(ids, torch.rand(T, K), E)
+    for name in ("order_N", "tokens_per_expert_E", "num_dropped", "inverse_TK", "token_N"):
+        assert torch.equal(getattr(kernel, name), getattr(ops, name)), name
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        real(torch.tensor([0, 3, 1]), 3, 1)
