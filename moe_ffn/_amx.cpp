@@ -1315,3 +1315,70 @@ extern "C" int moe_ffn_amx_routed_swiglu_blocks(const uint16_t* x, int64_t ldx, 
   return moe_ffn_slot_sum_rows(out, 1, dim, tokens, token, y, 1, dim, weight, rows, dim, index, threads, parallel,
                                thread_num, num_threads);
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace {
+
+// rows of g [rows, cols] (ld) scaled in place, row n by bf16(weight[n]), each product rounded to
+// bf16 as torch's bf16 mul rounds it (g.mul_(weight[:, None].to(bf16))); cols a multiple of 16.
+void scale_rows_bf16(uint16_t* g, int64_t ld, const float* weight, int64_t rows, int64_t cols) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const __m512 w = widened(to_bf16(_mm512_set1_ps(weight[n])));
+    uint16_t* row = g + n * ld;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m512 v = widened(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), to_bf16(_mm512_mul_ps(v, w)));
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// A routed SwiGLU layer's bf16 backward over one group of blocks the AMX kernels take, in one
+// call: g = the output gradient's rows g_out[token[n]] (gathered into g [rows, dim]), da = g·w2_e
+// (moe_ffn_amx_product_blocks), a, dh and dweight from h and da (moe_ffn_amx_swiglu_backward_bf16:
+// dweight [rows] float32, da scaled by weight inside it), g scaled by bf16(weight[n]) in place,
+// w2's gradient gᵀ·a and w1's dhᵀ·x[token] (moe_ffn_amx_weight_grad_blocks, the blocks' table
+// flags saying which add to what the gradient holds), dx = dh·w1_e [rows, dim]
+// (moe_ffn_amx_product_blocks), and grad_x's bf16 rows = Σ dx[n] over each token's rows
+// (moe_ffn_slot_sum_rows, every row written; `index` its int64 workspace of tokens + 1 + rows).
+// The calls grouped._ffn_backward makes one by one for such a group, on the same buffers in
+// the same order: the same bits. g, da, a, dh, dx contiguous scratch ([rows, dim], [rows, F],
+// [rows, F], [rows, 2F], [rows, dim]). Returns 0, or -1 where a step declines (the gradients may
+// then hold part of the result: the caller computes them again).
+extern "C" int moe_ffn_amx_routed_swiglu_backward_blocks(
+    const uint16_t* g_out, int64_t ldg_out, const uint16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const uint16_t* h, int64_t ldh, const uint16_t* w1, int64_t w1_expert, int64_t ldw1,
+    const uint16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, uint16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    uint16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, float* dweight, uint16_t* grad_x, uint16_t* g, uint16_t* da,
+    uint16_t* a, uint16_t* dh, uint16_t* dx, int64_t* index, int threads, void* parallel, void* thread_num,
+    void* num_threads) {
+  if (rows < 1 || tokens < 1 || dim < 1 || dim % 16 || features < 1) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(g + n * dim, g_out + token[n] * ldg_out, sizeof(uint16_t) * dim);
+  const int64_t width = 2 * features;
+  if (moe_ffn_amx_product_blocks(1, g, dim, nullptr, rows, w2, experts, w2_expert, ldw2, da, features, blocks, count,
+                                 dim, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, a, features, dh, width, dweight, rows, features,
+                                       threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  scale_rows_bf16(g, dim, weight, rows, dim);
+  if (moe_ffn_amx_weight_grad_blocks(g, dim, a, features, nullptr, rows, grad_w2, experts, gw2_expert, ldgw2, blocks,
+                                     count, dim, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (moe_ffn_amx_weight_grad_blocks(dh, width, x, ldx, token, tokens, grad_w1, experts, gw1_expert, ldgw1, blocks,
+                                     count, width, dim, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (moe_ffn_amx_product_blocks(1, dh, width, nullptr, rows, w1, experts, w1_expert, ldw1, dx, dim, blocks, count,
+                                 width, dim, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_slot_sum_rows(grad_x, 1, dim, tokens, token, dx, 1, dim, nullptr, rows, dim, index, threads, parallel,
+                               thread_num, num_threads);
+}

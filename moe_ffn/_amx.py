@@ -468,6 +468,74 @@ def routed_swiglu_blocks(
     return out_TD, (h_NH if keep_h else x_TD.new_empty(0, H))
 
 
+@functools.lru_cache(maxsize=None)
+def _routed_swiglu_backward_entry_point():
+    """moe_ffn_amx_routed_swiglu_backward_blocks with its argument types, or None."""
+    import ctypes
+
+    name = "moe_ffn_amx_routed_swiglu_backward_blocks"
+    fn = getattr(_small_gemm.library(), name, None) if _entry_points() is not None else None
+    if fn is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64]
+    fn.argtypes += [i64, ptr, i64, i64, ptr, i64, i64] + [ptr] * 8 + [ctypes.c_int, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def routed_swiglu_backward_blocks(
+    grad_x_TD: Tensor, grad_w1_EHD: Tensor, grad_w2_EDF: Tensor, grad_weight_N: Tensor, grad_out_TD: Tensor,
+    x_TD: Tensor, h_NH: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, token_N: Tensor, weight_N: Tensor,
+    blocks: list[tuple[int, int, int]],
+) -> bool:
+    """The bf16 backward of `routed_swiglu_blocks`' forward for one group of rows, in one call of
+    the kernel (`moe_ffn_amx_routed_swiglu_backward_blocks`), writing every gradient whole: x's
+    (grad_x_TD, each token's rows summed, zeros for a token without rows), the two weights'
+    (each expert with rows overwritten, the others left as they are), the combine weights'
+    (grad_weight_N [N] float32). The calls grouped._ffn_backward makes one by one for such a
+    group (the gather of the output gradient's rows, `input_grad_blocks`, `swiglu_backward`,
+    the scaling by the bf16 weights, `weight_grad_blocks` twice, `input_grad_blocks`,
+    `_small_gemm.slot_sum_rows`), on the same buffers in the same order: the same bits. Returns
+    whether it ran; where it did not, the gradients may hold anything (the caller writes them
+    again, whole)."""
+    E, H, D = w1_EHD.shape
+    N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
+    tensors = (grad_x_TD, grad_w1_EHD, grad_w2_EDF, grad_out_TD, x_TD, h_NH, w1_EHD, w2_EDF)
+    most = min(input_grad_max_rows((D, F)), input_grad_max_rows((H, D)), WEIGHT_GRAD_MAX_ROWS)
+    if not (
+        _bf16(*tensors) and _index_fits(token_N) and _small_gemm.routed_rows_fit(token_N, weight_N, blocks)
+        and grad_weight_N.dtype == torch.float32 and grad_weight_N.shape == (N,) and grad_weight_N.is_contiguous()
+        and x_TD.dim() == grad_out_TD.dim() == grad_x_TD.dim() == 2 and T > 0
+        and x_TD.shape == grad_out_TD.shape == grad_x_TD.shape == (T, D) and h_NH.shape == (N, H)
+        and tuple(w2_EDF.shape) == (E, D, F) and grad_w1_EHD.shape == w1_EHD.shape and grad_w2_EDF.shape == w2_EDF.shape
+        and H % 64 == 0 and D % 32 == 0 and F % 32 == 0
+        and all(t.stride(-1) == 1 for t in tensors) and grad_x_TD.stride(0) == D
+        and grad_w1_EHD.stride(1) >= D and grad_w2_EDF.stride(1) >= F
+        and all(0 < stop - start <= most for _, start, stop in blocks)
+        and len({e for e, _, _ in blocks}) == len(blocks)  # (no block adds to another's piece)
+    ):
+        return False
+    fn, openmp = _routed_swiglu_backward_entry_point(), _openmp((x_TD, grad_out_TD, h_NH), None, swiglu=True)
+    if fn is None or openmp is None or _openmp((x_TD,), None) is None:
+        return False
+    _small_gemm._check_blocks("amx.routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    g_ND, da_NF = _memory.scratch(x_TD, N, D), _memory.scratch(x_TD, N, F)
+    a_NF, dh_NH, dx_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, H), _memory.scratch(x_TD, N, D)
+    index = torch.empty(T + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
+    table, address, count = _small_gemm._block_table(blocks)
+    status = fn(
+        grad_out_TD.data_ptr(), grad_out_TD.stride(0), x_TD.data_ptr(), x_TD.stride(0), T, token_N.data_ptr(),
+        weight_N.data_ptr(), h_NH.data_ptr(), h_NH.stride(0), w1_EHD.data_ptr(), w1_EHD.stride(0), w1_EHD.stride(1),
+        w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address, count, N,
+        grad_w1_EHD.data_ptr(), grad_w1_EHD.stride(0), grad_w1_EHD.stride(1),
+        grad_w2_EDF.data_ptr(), grad_w2_EDF.stride(0), grad_w2_EDF.stride(1), grad_weight_N.data_ptr(),
+        grad_x_TD.data_ptr(), g_ND.data_ptr(), da_NF.data_ptr(), a_NF.data_ptr(), dh_NH.data_ptr(), dx_ND.data_ptr(),
+        index.data_ptr(), torch.get_num_threads(), *openmp,
+    )
+    return status == 0
+
+
 def input_grad(g: Tensor, w_t: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
     """g·w_t for w_t = w.t() (bf16 g [rows, O], w [O, I] with contiguous rows) by the kernel,
     into `out` [rows, I] or a new tensor; None where it does not run (`out` untouched)."""

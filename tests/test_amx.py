@@ -757,6 +757,59 @@ def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take():
         call(x, token, weight, w1, w2, [(5, s, t) for _, s, t in blocks], True)
 
 
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_bf16_layer_backward_in_one_call_is_the_loops(monkeypatch, T):
+    """A routed bf16 layer's backward whose rows make one group, in one call
+    (routed_swiglu_backward_blocks): the gradients of x, the router, both expert weights and the
+    output bit for bit what grouped._ffn_backward's loop makes with that call switched off; the
+    call ran. (Against the float64 loop: test_bf16_layer_runs_on_the_kernel_and_matches_float64.)"""
+    _needs_amx()
+    torch.manual_seed(T)
+    moe = MoE(dim=64, hidden_dim=96, num_experts=6, top_k=2).bfloat16()
+    x, g = torch.randn(T, 64, dtype=bf16), torch.randn(T, 64, dtype=bf16)
+    real, ran = _amx.routed_swiglu_backward_blocks, []
+
+    def step(one_call: bool):
+        monkeypatch.setattr(_amx, "routed_swiglu_backward_blocks", (lambda *a: ran.append(real(*a)) or ran[-1]) if one_call else (lambda *a: False))
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return [y, *torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])]
+
+    together, apart = step(True), step(False)
+    assert ran == [True]
+    for a, b in zip(together, apart):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_routed_swiglu_backward_blocks_declines_what_the_calls_would_not_take():
+    """False where one of the calls would not run on its kernel or a block would add to another
+    expert's piece: float32 tensors, float64 combine weights, an expert in two blocks, a block
+    past the input gradients' rows, blocks not covering the rows."""
+    _needs_amx()
+    torch.manual_seed(6)
+    E, D, F, T, K = 5, 64, 96, 3, 2
+    x, w1, w2, token, weight, blocks = _routed_rows(T, K, E, D, F)
+    h = torch.randn(token.shape[0], 2 * F, dtype=bf16)
+
+    def call(g, x, h, w1, w2, token, weight, blocks):
+        grads = torch.empty_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.empty(token.shape[0])
+        return _amx.routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks)
+
+    g = torch.randn(T + 1, D, dtype=bf16)
+    assert call(g, x, h, w1, w2, token, weight, blocks)
+    assert not call(g.float(), x.float(), h.float(), w1.float(), w2.float(), token, weight, blocks)
+    assert not call(g, x, h, w1, w2, token, weight.double(), blocks)
+    if len(blocks) > 1:
+        assert not call(g, x, h, w1, w2, token, weight, [(blocks[0][0], s, t) for _, s, t in blocks])
+    assert not call(g, x, h, w1, w2, token, weight, blocks[:-1])
+    many = min(_amx.input_grad_max_rows((D, F)), _amx.input_grad_max_rows((2 * F, D))) + 1
+    assert not call(g, x, torch.randn(many, 2 * F, dtype=bf16), w1, w2, torch.zeros(many, dtype=torch.int64),
+                    torch.rand(many), [(0, 0, many)])
+    fewer = many - 1  # (the same call at the limit runs)
+    assert call(g, x, torch.randn(fewer, 2 * F, dtype=bf16), w1, w2, torch.zeros(fewer, dtype=torch.int64),
+                torch.rand(fewer), [(0, 0, fewer)])
+
+
 # --- a bf16 layer on the kernel against the float64 loop ------------------------------------
 
 @pytest.mark.parametrize("T", [3, 40, 220])
@@ -805,6 +858,16 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
         return done
 
     monkeypatch.setattr(_amx, "routed_swiglu_blocks", routed_counted)
+    real_routed_backward = _amx.routed_swiglu_backward_blocks
+
+    def routed_backward_counted(*args):  # (both input gradients and both weight gradients, one call)
+        done = real_routed_backward(*args)
+        blocks = args[-1]
+        ran["input_grad"] += 2 * len(blocks) if done else 0
+        ran["weight_grad"] += 2 * len(blocks) if done else 0
+        return done
+
+    monkeypatch.setattr(_amx, "routed_swiglu_backward_blocks", routed_backward_counted)
     blocks_counted("input_grad", "input_grad_blocks")
     blocks_counted("weight_grad", "weight_grad_blocks")
     monkeypatch.setattr(_amx, "input_grad", counted("input_grad"))
