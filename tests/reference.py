@@ -126,3 +126,21 @@ BF16_TIE_ROWS = [
     [0.0, 0.0, 0.0],
     [-0.0, 0.0, 0.0],
 ]
+
+
+def routed_rows(T: int, K: int, E: int, D: int, F: int, dtype=torch.float32, pad: int = 2):
+    """A routed step's pieces for the one-call kernels' tests: x [T + 1, D] (the last token without
+    rows), w1 [E, 2F, D] (rows with a stride of their own: `pad` columns on each side cut off),
+    w2 [E, D, F], each token's K distinct experts sorted by expert as the plan sorts them:
+    (x, w1, w2, token [T·K], expert [T·K], float32 weight [T·K], blocks (expert, start, stop))."""
+    x = torch.randn(T + 1, D).to(dtype)
+    w1 = (torch.randn(E, 2 * F, D + 2 * pad) / D**0.5).to(dtype)[:, :, pad : D + pad]
+    w2 = (torch.randn(E, D, F) / F**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    blocks, start = [], 0
+    for e, count in enumerate(torch.bincount(ids, minlength=E).tolist()):
+        if count:
+            blocks.append((e, start, start + count))
+            start += count
+    return x, w1, w2, order // K, ids[order], torch.rand(T * K), blocks

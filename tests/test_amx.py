@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_ffn import MoE, _amx, _small_gemm
-from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward
+from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
 U32 = 2.0**-24  # float32 unit roundoff (the kernel's sums)
 U16 = 2.0**-8  # bf16's (each result rounded once)
@@ -687,23 +687,6 @@ def test_bf16_layer_forward_with_the_activation_in_the_product_is_the_two_passes
     assert torch.equal(inference, two_passes) and torch.equal(training.detach(), two_passes)
 
 
-def _routed_rows(T: int, K: int, E: int, D: int, F: int):
-    """x [T + 1, D] (the last token without rows), w1 [E, 2F, D] (rows with a stride of their
-    own), w2 [E, D, F], each token's K distinct experts sorted by expert as the plan sorts them:
-    (x, w1, w2, token [T·K], weight [T·K], blocks), all bf16 but the float32 weights."""
-    x = torch.randn(T + 1, D, dtype=bf16)
-    w1 = (torch.randn(E, 2 * F, D + 32) / D**0.5).to(bf16)[:, :, 16 : D + 16]
-    w2 = (torch.randn(E, D, F) / F**0.5).to(bf16)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    blocks, start = [], 0
-    for e, count in enumerate(torch.bincount(ids, minlength=E).tolist()):
-        if count:
-            blocks.append((e, start, start + count))
-            start += count
-    return x, w1, w2, order // K, torch.rand(T * K), blocks
-
-
 @pytest.mark.parametrize("T, K", [(1, 2), (4, 2), (6, 5), (40, 2)])
 @pytest.mark.parametrize("keep_h", [True, False])
 def test_routed_swiglu_blocks_are_the_forwards_calls_one_by_one(T, K, keep_h):
@@ -716,7 +699,7 @@ def test_routed_swiglu_blocks_are_the_forwards_calls_one_by_one(T, K, keep_h):
     _needs_amx()
     torch.manual_seed(10 * T + K)
     E, D, F = 7, 64, 96
-    x, w1, w2, token, weight, blocks = _routed_rows(T, K, E, D, F)
+    x, w1, w2, token, _, weight, blocks = routed_rows(T, K, E, D, F, bf16, pad=16)
     got = _amx.routed_swiglu_blocks(x, token, weight, w1, w2, blocks, keep_h)
     assert got is not None
     out, h = got
@@ -741,7 +724,7 @@ def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take():
     gap between blocks, F not a multiple of 32; a ValueError for an expert out of range."""
     _needs_amx()
     torch.manual_seed(5)
-    x, w1, w2, token, weight, blocks = _routed_rows(3, 2, 5, 64, 96)
+    x, w1, w2, token, _, weight, blocks = routed_rows(3, 2, 5, 64, 96, bf16, pad=16)
     call = _amx.routed_swiglu_blocks
     assert call(x, token, weight, w1, w2, blocks, True) is not None
     assert call(x.float(), token, weight, w1.float(), w2.float(), blocks, True) is None
@@ -751,7 +734,8 @@ def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take():
     most = _amx.forward_max_rows((192, 64))
     many = torch.zeros(most + 1, dtype=torch.int64)
     assert call(x, many, torch.rand(most + 1), w1, w2, [(0, 0, most + 1)], True) is None
-    x48, w1_48, w2_48, token48, weight48, blocks48 = _routed_rows(3, 2, 5, 64, 48)  # 2F = 96: not a multiple of 64
+    # 2F = 96: not a multiple of 64
+    x48, w1_48, w2_48, token48, _, weight48, blocks48 = routed_rows(3, 2, 5, 64, 48, bf16, pad=16)
     assert call(x48, token48, weight48, w1_48, w2_48, blocks48, True) is None
     with pytest.raises(ValueError, match="do not fit"):
         call(x, token, weight, w1, w2, [(5, s, t) for _, s, t in blocks], True)
@@ -769,8 +753,12 @@ def test_bf16_layer_backward_in_one_call_is_the_loops(monkeypatch, T):
     x, g = torch.randn(T, 64, dtype=bf16), torch.randn(T, 64, dtype=bf16)
     real, ran = _amx.routed_swiglu_backward_blocks, []
 
+    def recorded(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
     def step(one_call: bool):
-        monkeypatch.setattr(_amx, "routed_swiglu_backward_blocks", (lambda *a: ran.append(real(*a)) or ran[-1]) if one_call else (lambda *a: False))
+        monkeypatch.setattr(_amx, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
         leaf = x.clone().requires_grad_()
         y = moe(leaf)
         return [y, *torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])]
@@ -788,7 +776,7 @@ def test_routed_swiglu_backward_blocks_declines_what_the_calls_would_not_take():
     _needs_amx()
     torch.manual_seed(6)
     E, D, F, T, K = 5, 64, 96, 3, 2
-    x, w1, w2, token, weight, blocks = _routed_rows(T, K, E, D, F)
+    x, w1, w2, token, _, weight, blocks = routed_rows(T, K, E, D, F, bf16, pad=16)
     h = torch.randn(token.shape[0], 2 * F, dtype=bf16)
 
     def call(g, x, h, w1, w2, token, weight, blocks):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_ffn import MoE, _small_gemm
-from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward
+from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -1269,24 +1269,6 @@ def _some_blocks(N: int, experts: int, E: int, most: int) -> list[tuple[int, int
     return [b for b in blocks if 0 < b[2] - b[1] <= most] + [(E - 1, N - 1, N)]
 
 
-def _routed_decode(T: int, K: int, E: int, D: int, F: int):
-    """A routed decode step's pieces: x [T + 1, D] (the last token without rows), w1 [E, 2F, D]
-    (rows with a stride of their own), w2 [E, D, F], and each token's K distinct experts sorted by
-    expert as the plan sorts them: (x, w1, w2, token [T·K], expert [T·K], weight [T·K], blocks)."""
-    x = torch.randn(T + 1, D)
-    w1 = (torch.randn(E, 2 * F, D + 4) / D**0.5)[:, :, 2 : D + 2]
-    w2 = torch.randn(E, D, F) / F**0.5
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    token, expert = order // K, ids[order]
-    blocks, start = [], 0
-    for e, count in enumerate(torch.bincount(ids, minlength=E).tolist()):
-        if count:
-            blocks.append((e, start, start + count))
-            start += count
-    return x, w1, w2, token, expert, torch.rand(T * K), blocks
-
-
 @pytest.mark.parametrize("kernel", ["avx2", "avx512"])
 @pytest.mark.parametrize("T, K", [(1, 2), (3, 2), (5, 8)])
 def test_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, kernel, T, K):
@@ -1302,7 +1284,7 @@ def test_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, kerne
         _needs_avx512_kernel()
     torch.manual_seed(10 * T + K)
     E, D, F = 9, 40, 24
-    x, w1, w2, token, expert, weight, blocks = _routed_decode(T, K, E, D, F)
+    x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F)
     got = _small_gemm.routed_swiglu_blocks(x, token, weight, w1, w2, blocks)
     assert got is not None
     out, h = got
@@ -1329,7 +1311,7 @@ def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take(monkeypatch
     _needs_kernel()
     _avx2_kernels(monkeypatch)
     torch.manual_seed(4)
-    x, w1, w2, token, _, weight, blocks = _routed_decode(3, 2, 5, 32, 16)
+    x, w1, w2, token, _, weight, blocks = routed_rows(3, 2, 5, 32, 16)
     call = _small_gemm.routed_swiglu_blocks
     assert call(x, token, weight, w1, w2, blocks) is not None
     assert call(x, token, weight.double(), w1, w2, blocks) is None
