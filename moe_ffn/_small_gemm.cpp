@@ -48,6 +48,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1932,4 +1933,106 @@ extern "C" int moe_ffn_plan_rows(const int64_t* ids, int64_t n, int64_t experts,
   for (int64_t i = 0; i < n; ++i) order[next[ids[i]]++] = i;
   for (int64_t i = 0; i < n; ++i) token[i] = order[i] / top_k;
   return 0;
+}
+
+// The router's choice: ids[r·k .. r·k + k) = the columns of row r's k largest scores (row r at
+// scores + r·ld), largest first, equal scores lower column first (torch.topk leaves the order
+// of equal scores unspecified: its own varies with E and k). One pass over a row keeps its k
+// best so far sorted; past the first k, eight scores at a time are compared with the k-th best
+// and only those above it go in, by insertion (a softmax's 64 scores with k = 8: ~17 of them,
+// most in the first chunks). The threads split the rows. Returns 0, or -1 for arguments it
+// does not take or a NaN score (torch ranks NaN above every number; the caller leaves such
+// rows to torch), ids then partly written.
+namespace {
+
+// Inserts score v of column c into best[0, filled) / id (sorted, largest first; v after the
+// scores equal to it), growing filled up to k, else dropping the k-th.
+inline void offer(float v, int64_t c, float* best, int64_t* id, int64_t& filled, int64_t k) {
+  int64_t i = filled < k ? filled++ : k - 1;
+  for (; i > 0 && best[i - 1] < v; --i) best[i] = best[i - 1], id[i] = id[i - 1];
+  best[i] = v, id[i] = c;
+}
+
+bool topk_row(const float* row, int64_t cols, int64_t k, float* best, int64_t* id) {
+  int64_t filled = 0, c = 0;
+  for (; c < cols && filled < k; ++c) {
+    if (row[c] != row[c]) return false;
+    offer(row[c], c, best, id, filled, k);
+  }
+  for (; c + 8 <= cols; c += 8) {  // lanes above the k-th best, or NaN (not ≤)
+    unsigned above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + c), _mm256_set1_ps(best[k - 1]), _CMP_NLE_UQ));
+    for (; above; above &= above - 1) {
+      const int64_t j = c + __builtin_ctz(above);
+      if (row[j] != row[j]) return false;
+      if (row[j] > best[k - 1]) offer(row[j], j, best, id, filled, k);
+    }
+  }
+  for (; c < cols; ++c) {
+    if (row[c] != row[c]) return false;
+    if (row[c] > best[k - 1]) offer(row[c], c, best, id, filled, k);
+  }
+  return true;
+}
+
+// The same for k ≤ 8 with the k best in one vector register, largest first (lanes not yet
+// filled NaN: no score counts as below them), and their columns in another: a score goes in at
+// the lane after every kept score ≥ it, the lanes past it moving down one, without the
+// insertion loop's branches (mispredicted at most scores it inserts).
+bool topk_row8(const float* row, int64_t cols, int64_t k, int64_t* id) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), down = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  __m256 best = _mm256_set1_ps(__builtin_nanf(""));
+  __m256i col = _mm256_setzero_si256();
+  const __m256i last = _mm256_set1_epi32(static_cast<int>(k - 1));
+  auto insert = [&](float v, int64_t c) {
+    const __m256 vv = _mm256_set1_ps(v);
+    const int at = __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(best, vv, _CMP_GE_OQ)));
+    const __m256i pos = _mm256_set1_epi32(at);
+    const __m256i after = _mm256_cmpgt_epi32(lane, pos), here = _mm256_cmpeq_epi32(lane, pos);
+    best = _mm256_blendv_ps(best, _mm256_permutevar8x32_ps(best, down), _mm256_castsi256_ps(after));
+    best = _mm256_blendv_ps(best, vv, _mm256_castsi256_ps(here));
+    col = _mm256_blendv_epi8(col, _mm256_permutevar8x32_epi32(col, down), after);
+    col = _mm256_blendv_epi8(col, _mm256_set1_epi32(static_cast<int>(c)), here);
+  };
+  auto floor = [&] { return _mm256_permutevar8x32_ps(best, last); };  // the k-th best, broadcast
+  int64_t c = 0;
+  for (; c < cols && c < k; ++c) {
+    if (row[c] != row[c]) return false;
+    insert(row[c], c);
+  }
+  for (; c + 8 <= cols; c += 8) {  // lanes above the k-th best, or NaN (not ≤)
+    unsigned above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + c), floor(), _CMP_NLE_UQ));
+    for (; above; above &= above - 1) {
+      const int64_t j = c + __builtin_ctz(above);
+      if (row[j] != row[j]) return false;
+      if (row[j] > _mm256_cvtss_f32(floor())) insert(row[j], j);
+    }
+  }
+  for (; c < cols; ++c) {
+    if (row[c] != row[c]) return false;
+    if (row[c] > _mm256_cvtss_f32(floor())) insert(row[c], c);
+  }
+  alignas(32) int32_t kept[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(kept), col);
+  for (int64_t i = 0; i < k; ++i) id[i] = kept[i];
+  return true;
+}
+
+}  // namespace
+
+extern "C" int moe_ffn_topk_rows(const float* scores, int64_t rows, int64_t cols, int64_t ld, int64_t k,
+                                 int64_t* ids, int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (rows < 0 || cols < 1 || k < 1 || k > cols || ld < cols || threads < 1) return -1;
+  std::atomic<bool> nan{false};
+  // at least 2^15 scores a thread (as the SwiGLU passes)
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, rows * cols >> 15));
+  moe_ffn_team::on_team(moe_ffn_team::make_team(parallel, thread_num, num_threads), count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    moe_ffn_team::share(rows, 1, t, n, &first, &last);
+    std::vector<float> best(static_cast<size_t>(k));
+    for (int64_t r = first; r < last && !nan.load(std::memory_order_relaxed); ++r)
+      if (!(k <= 8 && cols < (int64_t{1} << 31) ? topk_row8(scores + r * ld, cols, k, ids + r * k)
+                                                : topk_row(scores + r * ld, cols, k, best.data(), ids + r * k)))
+        nan.store(true);
+  });
+  return nan.load() ? -1 : 0;
 }

@@ -231,7 +231,7 @@ def library() -> Optional[ctypes.CDLL]:
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
         scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
         routed_swiglu = lib.moe_ffn_routed_swiglu_blocks_f32
-        plan_rows_fn = lib.moe_ffn_plan_rows
+        plan_rows_fn, topk_rows_fn = lib.moe_ffn_plan_rows, lib.moe_ffn_topk_rows
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -257,7 +257,11 @@ def library() -> Optional[ctypes.CDLL]:
     routed_swiglu.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
     routed_swiglu.argtypes += [ptr] * 7 + team
     plan_rows_fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
-    for fn in (product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu, plan_rows_fn):
+    topk_rows_fn.argtypes = [ptr, i64, i64, i64, i64, ptr] + team
+    for fn in (
+        product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu,
+        plan_rows_fn, topk_rows_fn,
+    ):
         fn.restype = ctypes.c_int
     return lib
 
@@ -497,6 +501,28 @@ def plan_rows(ids_N: Tensor, num_experts: int, top_k: int) -> Optional[tuple[Ten
     ) != 0:
         raise ValueError(f"plan_rows: expert ids must lie in [0, {num_experts}), got some outside it")
     return order_N, counts_E, token_N
+
+
+def topk_ids(scores_TE: Tensor, k: int) -> Optional[Tensor]:
+    """The columns of each row's k largest scores, int64 [T, k], largest first and equal scores
+    lower column first (`moe_ffn_topk_rows`): torch.topk's indices wherever the scores differ.
+    None where it does not run: not float32 rows on the CPU, k outside [1, E], a NaN score,
+    compiling, no library. (Timings: router._top_k_ids.)"""
+    if not (
+        scores_TE.dtype == torch.float32 and scores_TE.dim() == 2 and scores_TE.device.type == "cpu"
+        and scores_TE.stride(1) == 1 and 1 <= k <= scores_TE.shape[1]
+    ):
+        return None
+    kernel = _kernel_for((scores_TE,), None)
+    if kernel is None:
+        return None
+    T, E = scores_TE.shape
+    ids_TK = torch.empty(T, k, dtype=torch.int64)
+    lib, openmp = kernel
+    ld = max(scores_TE.stride(0), E)
+    if T and lib.moe_ffn_topk_rows(scores_TE.data_ptr(), T, E, ld, k, ids_TK.data_ptr(), torch.get_num_threads(), *openmp):
+        return None
+    return ids_TK
 
 
 def routed_rows_fit(token_N: Tensor, weight_N: Tensor, blocks: list[tuple[int, int, int]]) -> bool:

@@ -877,3 +877,21 @@ def test_bf16_layer_runs_on_the_kernel_and_matches_float64(monkeypatch, T):
     assert (y.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
     for name, a, b in zip(("x", "router", "gate_up_proj", "down_proj"), grads, ref_grads):
         assert (a.double() - b).abs().max() <= 3e-2 * b.abs().max(), name
+
+
+@pytest.mark.parametrize("rows, O, I", [(1, 8, 64), (300, 8, 96), (33, 20, 64), (2048, 64, 1024), (5, 16, 32)])
+def test_linear_float32_is_the_float32_sum_of_exact_products(rows, O, I):
+    """`linear_float32` (the router's logits of bf16 tokens): each x·w within the worst case of
+    any order of float32 additions of the exact products from float64's product, as a new
+    contiguous float32 [rows, O] tensor, for O not a multiple of the tiles' 16 too (a weight
+    padded with zero rows) and x with rows further apart; None for what it does not take."""
+    _needs_amx()
+    torch.manual_seed(rows + O + I)
+    x, w = _strided(rows, I), torch.randn(O, I, dtype=bf16)
+    y = _amx.linear_float32(x, w)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (rows, O) and y.is_contiguous()
+    exact = x.double() @ w.double().T
+    assert ((y.double() - exact).abs() <= (I + 2) * U32 * (x.double().abs() @ w.double().abs().T)).all()
+    assert _amx.linear_float32(x.float(), w) is None and _amx.linear_float32(x, w.float()) is None
+    assert _amx.linear_float32(x[:, : I - 16], w[:, : I - 16]) is None  # depth not a multiple of 32
+    assert _amx.linear_float32(x[:0], w) is None and _amx.linear_float32(x, w[:, :-32]) is None

@@ -242,6 +242,45 @@ def test_nan_in_one_token_stays_in_that_token():
     assert torch.isnan(y[3]).any()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"norm_topk_prob": False}, {"routing": "topk_softmax"}, {"routing": "sigmoid_topk"}, {"expert_bias": True}],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
+def test_router_choice_on_ties_is_the_lower_expert(monkeypatch, options):
+    """Float32 scores, many of them equal: the router's experts are the loop's (Python's stable
+    sort: of equal scores the lower expert first) and its weights the loop's, with enough scores
+    that the top-k kernel runs (`router._top_k_ids`); with it switched off torch.topk picks the
+    same set of scores (its order among equal ones unspecified)."""
+    from moe_ffn import router as router_module
+
+    if router_module._small_gemm.library() is None:
+        pytest.skip("the kernel library is not built here")
+    bias = options.pop("expert_bias", False)
+    T, E, K = 100, 64, 8
+    router = router_module.TopKRouter(16, E, K, expert_bias=bias, **options)
+    torch.manual_seed(3)
+    if bias:
+        router.expert_bias.copy_(torch.randint(0, 2, (E,)).float() * 0.25)
+    logits = torch.randint(0, 3, (T, E)).float()  # ties everywhere, in the scores too
+    ran = []
+    real = router_module._small_gemm.topk_ids
+    monkeypatch.setattr(router_module._small_gemm, "topk_ids", lambda *a: ran.append(1) or real(*a))
+    out = router.route(logits)
+    assert ran
+    cfg = dict(routing=router.routing, norm_topk_prob=router.norm_topk_prob, bias_E=router.expert_bias)
+    for t in range(T):
+        ids, weights = route_token(logits[t], K, **cfg)
+        assert out.expert_ids_TK[t].tolist() == ids
+        torch.testing.assert_close(out.weights_TK[t], weights, atol=1e-6, rtol=0)
+    monkeypatch.setattr(router_module._small_gemm, "topk_ids", lambda *a: None)
+    plain = router.route(logits)
+    select = logits if router.routing == "topk_softmax" else plain.probs_TE if router.routing == "softmax_topk" else logits.sigmoid()
+    if bias:
+        select = select + router.expert_bias
+    assert torch.equal(select.gather(1, plain.expert_ids_TK), select.gather(1, out.expert_ids_TK))
+
+
 def test_bf16_input_picks_the_float64_router_choice():
     torch.manual_seed(3)
     moe = MoE(dim=64, hidden_dim=32, num_experts=8, top_k=2)
@@ -259,7 +298,7 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
-@pytest.mark.parametrize("route", ["sgemm", "onednn", "small"])
+@pytest.mark.parametrize("route", ["sgemm", "onednn", "small", "amx"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, route):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
@@ -271,13 +310,20 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     weight's gradient, unless they are small ("small": F.linear's, these products are below
     router._ONEDNN_MIN_MACS; "onednn" forces them past it), and moe_ffn's AVX-512 blocked
     product for the input's (where it runs; its own order of the sums: checked against
-    float64 only)."""
+    float64 only); on AMX CPUs ("amx") the logits are the tiles' float32 sums of the exact
+    products (`_amx.linear_float32`: no widened copy in the forward, its own order of the sums,
+    so checked against float64 only), the gradients as "sgemm"'s, and elsewhere the AMX path is
+    switched off."""
     from moe_ffn import router as router_module
 
-    onednn = route == "onednn"
+    onednn, amx = route == "onednn", route == "amx"
     if onednn and not router_module._small_gemm.onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
-    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route != "sgemm")
+    if amx and not router_module._amx.available():
+        pytest.skip("no AMX kernel here (not an AMX CPU, or the library not built)")
+    if not amx:
+        monkeypatch.setattr(router_module._amx, "linear_float32", lambda x, w: None)
+    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route not in ("sgemm", "amx"))
     if onednn:
         monkeypatch.setattr(router_module, "_ONEDNN_MIN_MACS", 0)
     calls, kernel_runs = [], []
@@ -299,7 +345,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         route = moe.router(x)
     bound = 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)
     assert ((route.logits_TE.detach().double() - x64 @ w64.T).abs() <= bound).all()
-    assert calls == [(300, 96)]
+    assert calls == ([] if amx else [(300, 96)])
     with torch.no_grad():
         again = moe.router(x).logits_TE
     assert torch.equal(again, route.logits_TE.detach())
@@ -315,7 +361,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         assert ((x.grad.double() - g64 @ w64).abs() <= x_bound).all()
         sg = router_module._small_gemm
         kernel_here = sg._avx512_entry_points() is not None and sg._torch_on_avx512()
-        assert kernel_runs == ([] if route == "sgemm" else [kernel_here])
+        assert kernel_runs == ([] if route in ("sgemm", "amx") else [kernel_here])
         xf, wf = x.detach().float(), moe.router.weight.detach().float()
         if onednn:
             linear = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
@@ -325,7 +371,8 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
             want_x, want_w = torch.autograd.grad(plain, (x, moe.router.weight), g)
             if not any(kernel_runs):
                 assert torch.equal(x.grad, want_x)
-        assert torch.equal(plain.detach(), route.logits_TE.detach())
+        if not amx:
+            assert torch.equal(plain.detach(), route.logits_TE.detach())
         assert torch.equal(moe.router.weight.grad, want_w)
 
 

@@ -1947,3 +1947,32 @@ def test_slot_sums_decline_and_name_misfits(name):
         run(out, token, torch.ones(3, 15))
     with pytest.raises(ValueError, match="do not fit"):
         run(out, token, src, torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "T, E, k", [(1, 8, 2), (37, 8, 8), (300, 64, 8), (5000, 64, 8), (200, 128, 6), (64, 256, 8), (100, 40, 12), (50, 13, 13), (9, 3, 1)]
+)
+@pytest.mark.parametrize("scores", ["softmax", "ties", "strided"])
+def test_topk_ids_are_a_stable_descending_sort(T, E, k, scores):
+    """The top-k kernel's columns (`topk_ids`: k ≤ 8 in a vector register, past 8 by
+    insertion): the first k of a stable descending sort, so torch.topk's indices wherever the
+    scores differ and, of equal ones (±0, ±inf among them), the lower column first; rows of a
+    wider tensor too. A NaN anywhere, k outside [1, E], or scores not float32 on the CPU: None."""
+    if _small_gemm.library() is None:
+        pytest.skip("the kernel library is not built here")
+    torch.manual_seed(T * E + k)
+    if scores == "ties":
+        s = torch.tensor([0.0, -0.0, 1.0, float("inf"), float("-inf"), 0.5])[torch.randint(0, 6, (T, E))]
+    else:
+        s = torch.randn(T, E + 7)[:, 3 : E + 3] if scores == "strided" else torch.randn(T, E)
+        s = s.softmax(-1)
+    ids = _small_gemm.topk_ids(s, k)
+    assert ids is not None and ids.dtype == torch.int64 and ids.shape == (T, k)
+    assert torch.equal(ids, torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k])
+    if scores == "softmax":
+        assert torch.equal(ids, s.topk(k, -1).indices)
+    s = s.clone()
+    s[T // 2, E - 1] = float("nan")
+    assert _small_gemm.topk_ids(s, k) is None
+    assert _small_gemm.topk_ids(s[:0], k) is not None and _small_gemm.topk_ids(s, E + 1) is None and _small_gemm.topk_ids(s, 0) is None
+    assert _small_gemm.topk_ids(s.double(), k) is None
