@@ -4,7 +4,11 @@ Legend: T tokens, D model dim, E experts, K top-k.
 
 NOTE: the router runs in at least float32 whatever the input dtype: logits, softmax/sigmoid
 and the combine weights. A bf16 router picks different experts than the full-precision one
-on near-ties and is a known source of loss spikes; float64 inputs stay float64.
+on near-ties and is a known source of loss spikes; float64 inputs stay float64. The float32
+logits of bf16 tokens are float32 sums of the exact products in whatever order the kernel
+takes (MKL's on a widened copy, or the AMX tiles'), so their low bits are not fixed. Of equal
+scores the top-k takes the lower expert first where the kernel runs (on CPU, at 4096 scores
+or more; torch.topk leaves that order unspecified).
 """
 
 from __future__ import annotations
