@@ -716,9 +716,83 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
 // 1024×1024 at 768 1660–1756 → 1851–1873; 1100 rows level.
 constexpr int64_t kWeightGradWholeSteps = 20, kWeightGradDepthSteps = 16, kWeightGradGroupPairs = 8;
 
+// A weight gradient from at most kOuterRows rows (decode steps: one row an expert at T = 1)
+// is almost all output, and the tile path writes it at 14–18 GB/s (its streaming stores do not
+// overlap its tile work: JOURNAL, 2026-12-05 from 09:59 UTC). Here each row of c is a sum of
+// `rows` outer-product terms on AVX-512 FMAs, c[m, :] = Σ_k a[k, m]·b[k, :] in k's order from
+// +0, each term exact (bf16 × bf16) and each addition rounded once, then rounded to bf16 by
+// bf16_line and stored a 64-byte line at a time (streamed where stream_result says so): as the
+// tiles do, inputs and results below float32's normal range count as zero (DAZ, FTZ). One row
+// gives the tiles' bits exactly (one exact product plus +0); more rows sum in this order where
+// the tiles sum pairs. 8 experts' gradients in turn, 2 threads, GB/s of c written (the tiles'
+// rate is flat from 1 to 32 rows): 7168×1024 tiles 17.7–18.3, here from 1 / 2 / 4 / 8 rows 40.7 /
+// 34.6 / 26.9 / 19.0; 1024×3584 16.4–16.7 against 37.4 / 34.7 / 19.5 / 12.8; 1024×1024
+// 14.7–15.0 against 35.3 / 30.3 / 23.6 / 16.6; 1024×512 13.2–13.6 against 27.0 / 25.4 / 19.9 /
+// 14.5: here to 4 rows, and to 8 where b's widened rows stay in L1 (kOuterL1Floats). Layer bf16
+// forward+backward, interleaved A/B in one process (caches swept before each step / not):
+// T = 1 fine-grained 1.17 / 1.23×, Mixtral 1.21 / 1.32×; T = 16 (swept) 1.13 / 1.10×; T = 256
+// level.
+constexpr int64_t kOuterRows = 4, kOuterMostRows = 8, kOuterL1Floats = 8192;
+
+bool outer_rows(int64_t rows, int64_t q_count) {
+  return rows <= kOuterRows || (rows <= kOuterMostRows && rows * q_count <= kOuterL1Floats);
+}
+
+int weight_grad_outer(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows, int64_t r_count,
+                      int64_t q_count, bool stream, int threads, const Team& team) {
+  // b's rows widened to float32 once (subnormals to zero), shared by the threads
+  float* bw = reinterpret_cast<float*>(scratch(static_cast<size_t>(rows * q_count * 2)));
+  if (!bw) return -1;
+  const __m512 tiny = _mm512_set1_ps(0x1p-126f);
+  auto normal_or_zero = [&](__m512 v) {  // (|v| < 2^-126: ±0)
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(_mm512_abs_ps(v), tiny, _CMP_LT_OQ), _mm512_setzero_ps());
+  };
+  for (int64_t k = 0; k < rows; ++k)
+    for (int64_t q = 0; q < q_count; q += 16)
+      _mm512_store_ps(bw + k * q_count + q, normal_or_zero(_mm512_castsi512_ps(_mm512_slli_epi32(
+                                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b.row(k) + q))), 16))));
+  const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, r_count * q_count >> 15));
+  on_team(team, count, [&](int64_t t, int64_t n) {
+    int64_t first, last;
+    share(r_count, 1, t, n, &first, &last);
+    __m512 coef[kOuterMostRows];
+    for (int64_t m = first; m < last; ++m) {
+      for (int64_t k = 0; k < rows; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(a[k * lda + m]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof v);
+        coef[k] = _mm512_set1_ps(std::fabs(v) < 0x1p-126f ? 0.0f : v);
+      }
+      uint16_t* out = static_cast<uint16_t*>(c.p) + m * c.ld;
+      int64_t q = 0;
+      for (; q + 128 <= q_count; q += 128) {  // four lines at a time: four chains of FMAs side by side
+        __m512 sum[8];
+        for (int j = 0; j < 8; ++j) sum[j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < rows; ++k)
+          for (int j = 0; j < 8; ++j) sum[j] = _mm512_fmadd_ps(coef[k], _mm512_load_ps(bw + k * q_count + q + 16 * j), sum[j]);
+        for (int j = 0; j < 4; ++j)
+          store_line(out + q + 32 * j, bf16_line(normal_or_zero(sum[2 * j]), normal_or_zero(sum[2 * j + 1])), stream);
+      }
+      for (; q < q_count; q += 32) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        for (int64_t k = 0; k < rows; ++k) {
+          lo = _mm512_fmadd_ps(coef[k], _mm512_load_ps(bw + k * q_count + q), lo);
+          hi = _mm512_fmadd_ps(coef[k], _mm512_load_ps(bw + k * q_count + q + 16), hi);
+        }
+        store_line(out + q, bf16_line(normal_or_zero(lo), normal_or_zero(hi)), stream);
+      }
+    }
+    if (stream) _mm_sfence();
+  });
+  return 0;
+}
+
 int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int64_t rows,
                 int64_t r_count, int64_t q_count, bool accumulate, int threads, const Team& team) {
   if (!weight_grad_fits(r_count, q_count) || rows < 1 || threads < 1) return -1;
+  if (outer_rows(rows, q_count) && !accumulate && !c.f32)
+    return weight_grad_outer(a, lda, b, c, rows, r_count, q_count, stream_result(c, r_count * q_count, kStreamElements),
+                             threads, team);
   const int64_t depth = (rows + 31) / 32 * 32;
   const int64_t r_tiles = r_count / 16, q_tiles = q_count / 16, steps = depth / 32;
   const int64_t count = std::min<int64_t>(threads, (r_tiles + 1) / 2);

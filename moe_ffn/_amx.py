@@ -72,7 +72,11 @@ forward+backward, interleaved in one process, 7–9 rounds):
   Mixtral T = 4096 / 8192 364–375 / 711–726 → 307–314 / 607–613 ms, fine-grained T = 8192
   590–596 → 503–519 (library of the day, the limit alternated in separate processes). The
   packed operands take (M + N) · rows · 2 bytes of the thread's scratch (32 MiB for
-  Mixtral's 7168×1024 at 2048 rows), kept for later calls.
+  Mixtral's 7168×1024 at 2048 rows), kept for later calls. From 1 to 4 rows (to 8 where the
+  rows of b fit L1), since 2026-12-05, the gradient is a sum of outer products on AVX-512 FMAs
+  instead (_amx.cpp, weight_grad_outer): almost all of such a gradient is its output, which
+  the tiles wrote at 13–18 GB/s and this writes at 19–41 (bf16 forward+backward T = 1
+  1.17–1.32×, T = 16 1.10–1.13×); from one row the tiles' bits exactly.
 
 Used by grouped.py for bf16 experts on CPU where `available()`: forward products x·Wᵀ without
 bias, input gradients g·W and weight gradients gᵀ·x, each of 1 to its limit of rows, when every

@@ -895,3 +895,35 @@ def test_linear_float32_is_the_float32_sum_of_exact_products(rows, O, I):
     assert _amx.linear_float32(x.float(), w) is None and _amx.linear_float32(x, w.float()) is None
     assert _amx.linear_float32(x[:, : I - 16], w[:, : I - 16]) is None  # depth not a multiple of 32
     assert _amx.linear_float32(x[:0], w) is None and _amx.linear_float32(x, w[:, :-32]) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(48, 96), (1024, 1024), (256, 3584)])
+def test_weight_grad_from_few_rows(rows, shape):
+    """A weight gradient from up to 8 rows goes on outer products (AVX-512 FMAs: to 4 rows, and
+    to 8 where b's rows stay in L1), past that on the tiles: within float64's bound either way;
+    from one row, bit for bit the tiles' result (the same data with 9 zero rows appended goes
+    on the tiles) and torch's rounding of the exact products; inputs and results below
+    float32's normal range count as zero on both paths, as the tiles count them."""
+    _needs_amx()
+    torch.manual_seed(rows * 7 + shape[1])
+    m, n = shape
+    a, b = _strided(rows, m), _strided(rows, n)
+    out, wide = _margins(m, n)
+    assert _amx.weight_grad_into(out, a.t(), b)
+    assert _within_bf16_of(out, a.t(), b, rows)
+    assert _untouched(wide, n)
+    fresh = torch.empty(m, n, dtype=bf16)  # (streamed where it is large)
+    assert _amx.weight_grad_into(fresh, a.t(), b) and torch.equal(fresh.view(torch.int16), out.view(torch.int16))
+    if rows == 1:
+        exact = (a.double().t() @ b.double()).float().bfloat16()
+        assert torch.equal(out.view(torch.int16), exact.view(torch.int16))
+        tiny = torch.tensor([1e-39, -3e-40, 1e-20], dtype=bf16)  # subnormal, subnormal, normal
+        a[0, :3], b[0, :3] = tiny, torch.tensor([1.0, 1.0, 1e-20], dtype=bf16)  # products 1e-39, -3e-40, 1e-40
+        zeros = torch.zeros(9, m, dtype=bf16), torch.zeros(9, n, dtype=bf16)
+        tiles = torch.empty(m, n, dtype=bf16)
+        assert _amx.weight_grad_into(out, a.t(), b)
+        assert _amx.weight_grad_into(tiles, torch.cat((a, zeros[0])).t(), torch.cat((b, zeros[1])))
+        assert torch.equal(out.view(torch.int16), tiles.view(torch.int16))
+        assert (out[:2] == 0).all() and out[2, 2] == 0  # subnormal a; a product below the normal range
+        assert out[2, 0] == tiny[2] and out[2, 3:].abs().sum() > 0
