@@ -622,6 +622,29 @@ def weight_grad_into(out: Tensor, a_t: Tensor, b: Tensor, accumulate: bool = Fal
     return status == 0
 
 
+def weight_grad_float32(a_t: Tensor, b: Tensor) -> Optional[Tensor]:
+    """a_t·b as a new float32 [m, n] tensor (a_t = a.t(), bf16 a [k, m] and b [k, n] with
+    contiguous rows; m a multiple of 16, n of 32): the tiles' float32 sums, unrounded, any k (in
+    chunks of WEIGHT_GRAD_MAX_ROWS rows, each added to the last); None where it does not run."""
+    a = a_t.t()
+    k, m, n = a.shape[0], a.shape[1], b.shape[1]
+    if not (_bf16(a, b) and b.shape[0] == k and k > 0 and m > 0 and m % 16 == 0 and n > 0 and n % 32 == 0):
+        return None
+    openmp = _openmp((a, b), None)
+    if openmp is None:
+        return None
+    out = a.new_empty(m, n, dtype=torch.float32)
+    for start in range(0, k, WEIGHT_GRAD_MAX_ROWS):
+        rows = min(WEIGHT_GRAD_MAX_ROWS, k - start)
+        status = _entry_points()[3](
+            a[start].data_ptr(), a.stride(0), b[start].data_ptr(), b.stride(0), out.data_ptr(), out.stride(0), 1,
+            rows, m, n, int(start > 0), torch.get_num_threads(), *openmp,
+        )
+        if status != 0:
+            return None
+    return out
+
+
 def swiglu(h: Tensor) -> Optional[Tensor]:
     """silu(gate)·up for bf16 h = gate | up [rows, 2F] in one pass (AVX-512), as a new bf16
     [rows, F] tensor rounded where torch's two bf16 ops round (silu's result, then the

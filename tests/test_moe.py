@@ -323,6 +323,9 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         pytest.skip("no AMX kernel here (not an AMX CPU, or the library not built)")
     if not amx:
         monkeypatch.setattr(router_module._amx, "linear_float32", lambda x, w: None)
+        monkeypatch.setattr(router_module, "_tiles_backward", lambda *a: None)
+    else:
+        monkeypatch.setattr(router_module, "_TILES_BACKWARD_MIN_MACS", 0)
     monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route not in ("sgemm", "amx"))
     if onednn:
         monkeypatch.setattr(router_module, "_ONEDNN_MIN_MACS", 0)
@@ -342,22 +345,25 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     x = torch.randn(300, 96).bfloat16().requires_grad_(grad)
     x64, w64 = x.detach().double(), moe.router.weight.detach().double()
     with torch.set_grad_enabled(grad):
-        route = moe.router(x)
+        routed = moe.router(x)
     bound = 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)
-    assert ((route.logits_TE.detach().double() - x64 @ w64.T).abs() <= bound).all()
+    assert ((routed.logits_TE.detach().double() - x64 @ w64.T).abs() <= bound).all()
     assert calls == ([] if amx else [(300, 96)])
     with torch.no_grad():
         again = moe.router(x).logits_TE
-    assert torch.equal(again, route.logits_TE.detach())
+    assert torch.equal(again, routed.logits_TE.detach())
     calls.clear()
     if grad:
         g = torch.randn(300, 8)
-        route.logits_TE.backward(g)
-        assert calls == [(300, 96), (300, 96)]  # backward: g·W's float32 result, x widened again
+        routed.logits_TE.backward(g)
+        # backward: g·W's float32 result, x widened again; on the tiles neither (g in three bf16
+        # parts: 3E-deep sums for x's gradient, three partial sums for W's)
+        assert calls == ([] if amx else [(300, 96), (300, 96)])
+        terms = 3 if amx else 1
         g64 = g.double()
-        w_bound = 300 * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * (g64.T @ x64).abs()
+        w_bound = (300 + 2) * terms * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * (g64.T @ x64).abs()
         assert ((moe.router.weight.grad.double() - g64.T @ x64).abs() <= w_bound).all()  # (+ bf16 rounding)
-        x_bound = 8 * 2.0**-24 * (g64.abs() @ w64.abs()) + 2.0**-8 * (g64 @ w64).abs()
+        x_bound = 8 * terms * 2.0**-24 * (g64.abs() @ w64.abs()) + 2.0**-8 * (g64 @ w64).abs()
         assert ((x.grad.double() - g64 @ w64).abs() <= x_bound).all()
         sg = router_module._small_gemm
         kernel_here = sg._avx512_entry_points() is not None and sg._torch_on_avx512()
@@ -369,11 +375,40 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         else:
             plain = torch.nn.functional.linear(x.float(), moe.router.weight.float())
             want_x, want_w = torch.autograd.grad(plain, (x, moe.router.weight), g)
-            if not any(kernel_runs):
+            if not any(kernel_runs) and not amx:
                 assert torch.equal(x.grad, want_x)
         if not amx:
-            assert torch.equal(plain.detach(), route.logits_TE.detach())
-        assert torch.equal(moe.router.weight.grad, want_w)
+            assert torch.equal(plain.detach(), routed.logits_TE.detach())
+            assert torch.equal(moe.router.weight.grad, want_w)
+
+
+@pytest.mark.parametrize("E", [8, 64])
+def test_router_backward_on_tiles(monkeypatch, E):
+    """The logits' gradients of bf16 tokens on the AMX tiles (`router._tiles_backward`), past the
+    tiles' row limits (x's gradient in chunks of rows, W's in chunks of depth): float32 g split
+    into three bf16 parts that sum to it exactly, then each gradient within float32's bound for
+    sums of 3E (x) or 3·T (W) exact products of float64's, rounded to bf16 once."""
+    from moe_ffn import router as router_module
+
+    if not router_module._amx.available():
+        pytest.skip("no AMX kernel here (not an AMX CPU, or the library not built)")
+    monkeypatch.setattr(router_module, "_TILES_BACKWARD_MIN_MACS", 0)  # (these are below it)
+    torch.manual_seed(E)
+    T, D = 4200, 64
+    g = torch.randn(T, E) * torch.logspace(-6, 2, T)[:, None]
+    parts = router_module._bf16_parts(g, -(-3 * E // 32) * 32)
+    assert torch.equal(parts[:, :E].double() + parts[:, E : 2 * E].double() + parts[:, 2 * E : 3 * E].double(), g.double())
+    assert (parts[:, 3 * E :] == 0).all()
+    x, w = torch.randn(T, D).bfloat16(), torch.randn(E, D).bfloat16()
+    grads = router_module._tiles_backward(g, x, w, True, True)
+    assert grads is not None
+    g64, x64, w64 = g.double(), x.double(), w.double()
+    x_bound = (3 * E + 2) * 2.0**-24 * (g64.abs() @ w64.abs()) + 2.0**-8 * (g64 @ w64).abs()
+    assert grads[0].dtype == torch.bfloat16 and ((grads[0].double() - g64 @ w64).abs() <= x_bound).all()
+    w_bound = (3 * T + 4) * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * (g64.T @ x64).abs()
+    assert grads[1].dtype == torch.bfloat16 and ((grads[1].double() - g64.T @ x64).abs() <= w_bound).all()
+    assert router_module._tiles_backward(g, x, w, False, True)[0] is None
+    assert router_module._tiles_backward(g, x.float(), w, True, True) is None
 
 
 def test_autocast_cpu():
