@@ -716,7 +716,7 @@ bool weight_grad_fits(int64_t r_count, int64_t q_count) {
 // 1024×1024 at 768 1660–1756 → 1851–1873; 1100 rows level.
 constexpr int64_t kWeightGradWholeSteps = 20, kWeightGradDepthSteps = 16, kWeightGradGroupPairs = 8;
 
-// A weight gradient from at most kOuterRows rows (decode steps: one row an expert at T = 1)
+// A weight gradient from a few rows (outer_rows; decode steps: one row an expert at T = 1)
 // is almost all output, and the tile path writes it at 14–18 GB/s (its streaming stores do not
 // overlap its tile work: JOURNAL, 2026-12-05 from 09:59 UTC). Here each row of c is a sum of
 // `rows` outer-product terms on AVX-512 FMAs, c[m, :] = Σ_k a[k, m]·b[k, :] in k's order from

@@ -507,7 +507,7 @@ def topk_ids(scores_TE: Tensor, k: int) -> Optional[Tensor]:
     """The columns of each row's k largest scores, int64 [T, k], largest first and equal scores
     lower column first (`moe_ffn_topk_rows`): torch.topk's indices wherever the scores differ.
     None where it does not run: not float32 rows on the CPU, k outside [1, E], a NaN score,
-    compiling, no library. (Timings: router._top_k_ids.)"""
+    compiling, no library. (Timings: router._top_k.)"""
     if not (
         scores_TE.dtype == torch.float32 and scores_TE.dim() == 2 and scores_TE.device.type == "cpu"
         and scores_TE.stride(1) == 1 and 1 <= k <= scores_TE.shape[1]

@@ -104,7 +104,9 @@ class _WidenedLogits(torch.autograd.Function):
     backward and widening it again there on scratch memory, instead of saving a fresh widened
     copy (x.to(dtype) made one, autograd kept it, and the gradient of x went through a fresh
     float32 [T, D] too). Router forward+backward alone, Mixtral's at T = 8192: ~33 ms before
-    (three thin sgemms on fresh memory 17, the casts 10)."""
+    (three thin sgemms on fresh memory 17, the casts 10). On AMX CPUs, bf16 x and W: the logits
+    on the tiles (`_widened_linear`) and, from _TILES_BACKWARD_MIN_MACS, both gradients too
+    (`_tiles_backward`), without widened copies."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
@@ -132,16 +134,22 @@ class _WidenedLogits(torch.autograd.Function):
 _TOPK_KERNEL_MIN_SCORES = 1 << 12
 
 
-def _top_k_ids(scores_TE: Tensor, k: int) -> Tensor:
-    """The experts of each token's k largest scores, largest first: by `_small_gemm.topk_ids`
-    (equal scores: lower expert first) where it runs and the scores are many, else torch.topk's
-    indices (equal scores in its own order). 2-core Xeon, medians of 15, E = 64, k = 8:
-    T = 2048 / 8192 0.63 / 2.63 → 0.26 / 1.06 ms; E = 8, k = 2: 0.12 / 0.26 → 0.07 / 0.18."""
-    if scores_TE.numel() >= _TOPK_KERNEL_MIN_SCORES:
-        ids_TK = _small_gemm.topk_ids(scores_TE.detach(), k)
+def _top_k(scores_TE: Tensor, k: int, select_TE: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(weights, ids) of each token's k largest of `select_TE` (default: the scores themselves),
+    largest first, the weights being the scores at those experts: by `_small_gemm.topk_ids`
+    (equal values: lower expert first) where it runs and the values are many, then a gather of
+    the scores; else torch.topk's (equal values in its own order). 2-core Xeon, medians of 15,
+    E = 64, k = 8: T = 2048 / 8192 0.63 / 2.63 → 0.26 / 1.06 ms; E = 8, k = 2: 0.12 / 0.26 →
+    0.07 / 0.18."""
+    select_TE = scores_TE if select_TE is None else select_TE
+    if select_TE.numel() >= _TOPK_KERNEL_MIN_SCORES:
+        ids_TK = _small_gemm.topk_ids(select_TE.detach(), k)
         if ids_TK is not None:
-            return ids_TK
-    return scores_TE.topk(k, dim=-1).indices
+            return scores_TE.gather(-1, ids_TK), ids_TK
+    if select_TE is scores_TE:
+        return scores_TE.topk(k, dim=-1)
+    ids_TK = select_TE.topk(k, dim=-1).indices
+    return scores_TE.gather(-1, ids_TK), ids_TK
 
 
 def _bf16_parts(g_TE: Tensor, width: int) -> Tensor:
@@ -281,9 +289,8 @@ class TopKRouter(nn.Module):
         bias_E = None if self.expert_bias is None else self.expert_bias.to(logits_TE.dtype)
 
         if self.routing == "topk_softmax":
-            select_TE = logits_TE if bias_E is None else logits_TE + bias_E
-            expert_ids_TK = _top_k_ids(select_TE, K)
-            weights_TK = logits_TE.gather(-1, expert_ids_TK).softmax(dim=-1)
+            chosen_TK, expert_ids_TK = _top_k(logits_TE, K, None if bias_E is None else logits_TE + bias_E)
+            weights_TK = chosen_TK.softmax(dim=-1)
             probs_TE = logits_TE.softmax(dim=-1)
         else:
             if self.routing == "softmax_topk":
@@ -292,8 +299,7 @@ class TopKRouter(nn.Module):
             else:  # sigmoid_topk
                 scores_TE = logits_TE.sigmoid()
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-            expert_ids_TK = _top_k_ids(scores_TE if bias_E is None else scores_TE + bias_E, K)
-            weights_TK = scores_TE.gather(-1, expert_ids_TK)
+            weights_TK, expert_ids_TK = _top_k(scores_TE, K, None if bias_E is None else scores_TE + bias_E)
             if self.norm_topk_prob:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:

@@ -250,7 +250,7 @@ def test_nan_in_one_token_stays_in_that_token():
 def test_router_choice_on_ties_is_the_lower_expert(monkeypatch, options):
     """Float32 scores, many of them equal: the router's experts are the loop's (Python's stable
     sort: of equal scores the lower expert first) and its weights the loop's, with enough scores
-    that the top-k kernel runs (`router._top_k_ids`); with it switched off torch.topk picks the
+    that the top-k kernel runs (`router._top_k`); with it switched off torch.topk picks the
     same set of scores (its order among equal ones unspecified)."""
     from moe_ffn import router as router_module
 
