@@ -308,7 +308,13 @@ def test_weight_grad_matches_float64(rows, shape):
     (not 64-byte aligned: stored through the caches) and into a fresh tensor (aligned: from
     kStreamElements, 2^19, past them, as the (2048, 1024) gradient is): the same bits."""
     _needs_amx()
-    m, n = shape
+    _weight_grad_checked(rows, *shape)
+
+
+def _weight_grad_checked(rows: int, m: int, n: int):
+    """aᵀ·b of strided a [rows, m] and b [rows, n] into a slice 16 columns in (not 64-byte
+    aligned: stored through the caches, its margins untouched) within float64's bound, and into
+    a fresh tensor (aligned: streamed from kStreamElements) with the same bits; (a, b, out)."""
     a, b = _strided(rows, m), _strided(rows, n)
     out, wide = _margins(m, n)
     assert _amx.weight_grad_into(out, a.t(), b)
@@ -317,6 +323,7 @@ def test_weight_grad_matches_float64(rows, shape):
     fresh = torch.empty(m, n, dtype=bf16)
     assert fresh.data_ptr() % 64 == 0 and _amx.weight_grad_into(fresh, a.t(), b)
     assert torch.equal(fresh.view(torch.int16), out.view(torch.int16))
+    return a, b, out
 
 
 @pytest.mark.parametrize("rows", [40, 1000])
@@ -908,13 +915,7 @@ def test_weight_grad_from_few_rows(rows, shape):
     _needs_amx()
     torch.manual_seed(rows * 7 + shape[1])
     m, n = shape
-    a, b = _strided(rows, m), _strided(rows, n)
-    out, wide = _margins(m, n)
-    assert _amx.weight_grad_into(out, a.t(), b)
-    assert _within_bf16_of(out, a.t(), b, rows)
-    assert _untouched(wide, n)
-    fresh = torch.empty(m, n, dtype=bf16)  # (streamed where it is large)
-    assert _amx.weight_grad_into(fresh, a.t(), b) and torch.equal(fresh.view(torch.int16), out.view(torch.int16))
+    a, b, out = _weight_grad_checked(rows, m, n)
     if rows == 1:
         exact = (a.double().t() @ b.double()).float().bfloat16()
         assert torch.equal(out.view(torch.int16), exact.view(torch.int16))
