@@ -191,6 +191,8 @@ def _tiles_backward(g_TE: Tensor, x_TD: Tensor, w_ED: Tensor, need_x: bool, need
         and _amx.available() and x_TD.stride(1) == 1 and w_ED.stride(1) == 1
     ):
         return None
+    if not g_TE.abs().max() <= 2.0**126:  # (near float32's top hi would round to inf; NaN: as well)
+        return None
     width = -(-3 * E // 32) * 32
     parts_TP = _bf16_parts(g_TE.contiguous(), width)
     grad_x = grad_w = None
