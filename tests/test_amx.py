@@ -568,6 +568,54 @@ def test_bf16_swiglu_kernels_round_nan_and_subnormals_as_torch_does():
         assert _bf16_ulps(got[ordinary], want[ordinary]).max() <= 2
 
 
+def test_bf16_swiglu_backward_at_every_gate_value():
+    """The backward pass takes silu's parts of a bf16 gate from a table of all 65536 gate values
+    (_amx.cpp's GateTable): every one of them, NaNs and infinities included, against torch's bf16
+    ops: NaN where they give NaN, the same infinities and zeros, finite values within one bf16
+    unit (the exponentials differ; on this data they agree bit for bit on an AVX-512 Xeon)."""
+    _needs_swiglu()
+    torch.manual_seed(0)
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(bf16).reshape(512, 128)
+    up, da = (torch.rand(2, 512, 128) + 0.5).bfloat16()
+    weight = torch.rand(512) + 0.5
+    act = torch.nn.functional.silu(gate)
+    dav = da * weight[:, None].bfloat16()
+    a_ops = act * up
+    dh_ops = torch.cat([torch.ops.aten.silu_backward(dav * up, gate), dav * act], dim=-1)
+    a, dh, _ = _amx.swiglu_backward(torch.cat([gate, up], dim=-1), da, weight, True, False)
+    for got, want in ((a, a_ops), (dh, dh_ops)):
+        assert want.isnan().any() and want.isinf().any() and (want == 0).any()  # (the cases are there)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got == 0, want == 0)
+        assert torch.equal(got[want.isinf()], want[want.isinf()])
+        finite = want.isfinite()
+        assert _bf16_ulps(got[finite], want[finite]).max() <= 1
+
+
+def test_bf16_swiglu_backward_with_subnormals_flushed():
+    """With torch's flush-denormal mode on (DAZ and FTZ), subnormal gates and the subnormal
+    sigmoids of gates near -88 count as zero, in torch's ops and in the pass alike. (The pass
+    computes silu's parts itself wherever the float environment is not the default one the
+    table was made in; with both flags set, as here, the table's values would come out the same.)"""
+    _needs_swiglu()
+    subnormal = torch.arange(1, 128, dtype=torch.int32).to(torch.int16).view(bf16)
+    gate = torch.cat([subnormal, -subnormal, torch.tensor([-88.0, -87.5, -88.5, 0.0, 1.0, -1.0, 3.0, -0.0, 2.0, -2.0])]).bfloat16()
+    gate = gate.reshape(4, 66)
+    up, da = torch.full((4, 66), 1.5, dtype=bf16), torch.full((4, 66), 0.75, dtype=bf16)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        act = torch.nn.functional.silu(gate)
+        want_a = act * up
+        want_dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * act], dim=-1)
+        a, dh, _ = _amx.swiglu_backward(torch.cat([gate, up], dim=-1), da, None, True, False)
+    finally:
+        torch.set_flush_denormal(False)
+    assert (want_a == 0).sum() >= 254  # (the subnormal gates' a is zero)
+    for got, want in ((a, want_a), (dh, want_dh)):
+        assert torch.equal(got == 0, want == 0)
+        assert _bf16_ulps(got, want).max() <= 1
+
+
 def test_switched_off_with_the_library():
     """MOE_FFN_SMALL_GEMM=0 switches off the whole library, the AMX kernel with it."""
     import subprocess
