@@ -760,7 +760,17 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # 1.093 / 1.105 / 1.063× (0.981× in 3 rounds); float32 (not changed) fine T = 2048 1.015×,
 # Mixtral T = 256 1.006×. Working memory at T = 2048 (the benchmark's measure): fine-grained
 # bf16 77 → 84 MiB (the dense k·F block's 100), Mixtral bf16 91 either way.
+# Four times, since 2026-12-05 (later): a call of the AMX entry points with two blocks, one a
+# thread, ran 0.82–0.92× of one with four or more (fine-grained 1024×512 at 1024 rows, 64
+# blocks in calls of 2 / 4 / 64: 1911 / 2099 / 2230 GFLOP/s; the first projection with SwiGLU
+# 1725 / 1772 / 1873), and the fine-grained blocks at T = 8192 (1024 rows) came two to a group.
+# 2× → 4×, the same bits, A/B in one process (2-core Xeon, 7–15 rounds): fine-grained
+# forward T = 2048 / 8192 1.061 / 1.034×, forward+backward T = 1024 / 2048 / 4096 / 8192
+# 1.044 / 1.034 / 1.005 / 1.045×, Mixtral T = 2048 1.006× (its groups unchanged). Working
+# memory at T = 2048: fine-grained bf16 85 → 100 MiB (the dense block's 100; 8× would take
+# 165), Mixtral 91 either way.
 _GROUP_ELEMENTS = 1 << 20
+_TWO_BYTE_GROUP_FACTOR = 4
 _PIECE_ELEMENTS = 1 << 24
 # A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
 # temporaries (a few MiB) cost a second round of kernel calls. bf16 forward+backward, A/B in one
@@ -774,8 +784,9 @@ _ONE_GROUP_FACTOR = 2
 def _groups(
     blocks: list[tuple[int, int, int]], width: int, split: bool, itemsize: int = 4
 ) -> list[list[tuple[int, int, int]]]:
-    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (twice
-    that for a compute dtype of `itemsize` 2; a block larger than that is a group of its own);
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows
+    (`_TWO_BYTE_GROUP_FACTOR` times that for a compute dtype of `itemsize` 2; a block larger
+    than that is a group of its own);
     all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups' worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
@@ -789,7 +800,7 @@ def _groups(
         most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     total = sum(stop - start for _, start, stop in blocks) * width
-    group = _GROUP_ELEMENTS * 4 // max(1, min(4, itemsize))
+    group = _GROUP_ELEMENTS * (_TWO_BYTE_GROUP_FACTOR if itemsize <= 2 else 1)
     budget = total if total <= _ONE_GROUP_FACTOR * group else group
     groups, current, rows = [], [], 0
     for block in blocks:
