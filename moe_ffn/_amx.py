@@ -417,6 +417,16 @@ def weight_grad_blocks(
     return _run_blocks(fn, openmp, head, blocks, again, (M, N))
 
 
+def swiglu_forward_takes(w_EHI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether `swiglu_forward_blocks` takes these blocks through w_EHI by their shapes (its
+    other conditions are the tensors' dtypes and layouts, and the kernel being there)."""
+    if not (blocks and w_EHI.dim() == 3 and w_EHI.stride(2) == 1):
+        return False
+    H, I = w_EHI.shape[1:]
+    most = forward_max_rows((H, I))
+    return H % 64 == 0 and takes_forward((H, I)) and all(0 < stop - start <= most for _, start, stop in blocks)
+
+
 def swiglu_forward_blocks(
     h: Optional[Tensor], a: Tensor, x: Tensor, w_EHI: Tensor, blocks: list[tuple[int, int, int]],
     index: Optional[Tensor] = None,
@@ -430,8 +440,7 @@ def swiglu_forward_blocks(
         return False
     E, H, I = w_EHI.shape
     F = H // 2
-    most = forward_max_rows((H, I))
-    if not (H % 64 == 0 and takes_forward((H, I)) and w_EHI.stride(2) == 1 and all(0 < stop - start <= most for _, start, stop in blocks)):
+    if not swiglu_forward_takes(w_EHI, blocks):
         return False
     fn, openmp = _blocks_entry_point("swiglu_forward"), _openmp((x,), a)
     if fn is None or openmp is None or (h is not None and _small_gemm._kernel_for((x,), h) is None):

@@ -1178,7 +1178,20 @@ def _ffn_forward(
     if project is not None:
         out, h_NH = _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks)
         return (out if token_N is None else out.to(out_dtype)), h_NH
-    groups = _groups(blocks, H, split=False, itemsize=cdt.itemsize)
+    swiglu_in_product = (
+        gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
+        and _amx.available()
+    )
+    # Where the first projection's activation runs in the AMX product for every block, a
+    # group's only temporary of its width is a [rows, F] (h_NH, kept for backward, is written
+    # in place; in inference h is not written), so its groups are counted in F: twice the
+    # rows, the same memory. 2-core Xeon, A/B in one
+    # process (9–21 rounds), the same bits: bf16 forward fine-grained T = 2048 (one group,
+    # the one-call path) 1.098× (twice), T = 4096 1.044×, T = 1024 / 8192 level, Mixtral T =
+    # 2048 1.018×; forward+backward fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048
+    # level; working memory at T = 2048 unchanged (fine-grained 100, Mixtral 91 MiB).
+    width = F_ if swiglu_in_product and _amx.swiglu_forward_takes(w1_EHD, blocks) else H
+    groups = _groups(blocks, width, split=False, itemsize=cdt.itemsize)
     most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
     if (
         token_N is not None and len(groups) == 1 and used == N and gated and b1_EH is None
@@ -1200,10 +1213,6 @@ def _ffn_forward(
     else:
         h_NH = x.new_empty(0, H)
         h_gH = None  # (made where a group needs it)
-    swiglu_in_product = (
-        gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
-        and _amx.available()
-    )
     # The weighted sum over each token's slots: token by token once every slot's row is made
     # (`_small_gemm.slot_sum_rows`, the down projection's rows kept for it, up to
     # _SLOT_ROWS_MAX_BYTES), or added group by group into a zeroed sum (torch's ops, or the
@@ -1251,7 +1260,7 @@ def _ffn_forward(
                 h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g,
                 halves=_gate_up_apart(w1_EHD, gated, cdt),
             )
-        for piece in _groups(group, H, split=cdt == x.dtype, itemsize=cdt.itemsize):
+        for piece in _groups(group, width, split=cdt == x.dtype, itemsize=cdt.itemsize):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             if a_gF is not None:
                 a_pF = a_gF[lo - first : hi - first]

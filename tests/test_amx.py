@@ -742,6 +742,33 @@ def test_bf16_layer_forward_with_the_activation_in_the_product_is_the_two_passes
     assert torch.equal(inference, two_passes) and torch.equal(training.detach(), two_passes)
 
 
+def test_bf16_forward_groups_are_counted_in_the_activation_width(monkeypatch):
+    """Where the AMX product forms SwiGLU's activation, a forward group's one temporary of its
+    width is [rows, F] (h is kept whole, or not written), so groups count rows by F: a step
+    whose rows × 2F pass the group budget and rows × F do not is one group, which goes to the
+    one-call path; the output bit for bit the loop's, with the activation after the product."""
+    _needs_amx()
+    from moe_ffn import grouped
+
+    T, D, F = 48, 64, 96  # 96 rows: 9216 elements by F, 18432 by 2F
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", T * 2 * F // grouped._TWO_BYTE_GROUP_FACTOR)
+    calls = []
+    real = _amx.routed_swiglu_blocks
+    monkeypatch.setattr(_amx, "routed_swiglu_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(8)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=4, top_k=2).bfloat16()
+    x = torch.randn(T, D, dtype=bf16)
+    with torch.no_grad():
+        one_group = moe(x)
+    assert calls == [1]
+    monkeypatch.setattr(_amx, "routed_swiglu_blocks", lambda *a, **k: None)
+    monkeypatch.setattr(_amx, "swiglu_forward_blocks", lambda *a, **k: False)
+    with torch.no_grad():
+        apart = moe(x)
+    assert torch.equal(one_group.view(torch.int16), apart.view(torch.int16))
+
+
 @pytest.mark.parametrize("T, K", [(1, 2), (4, 2), (6, 5), (40, 2)])
 @pytest.mark.parametrize("keep_h", [True, False])
 def test_routed_swiglu_blocks_are_the_forwards_calls_one_by_one(T, K, keep_h):
