@@ -928,8 +928,8 @@ inline __m512 widened(__m256i bits) {
 // (exp16 and the divisions, in the default float environment): act = g / (1 + e^-g) rounded
 // to bf16 as ExactRound rounds it (NativeRound rounds the same where it runs, on ordinary
 // values), and s = 1 / (1 + e^-g). A step then gathers both by g's bits instead of forming
-// e^-g and dividing twice: the same bits. 512 KiB; the gates of a layer's rows take a few
-// thousand of the values, which stay in L1. 2-core Xeon, the backward pass alone (medians of
+// e^-g and dividing twice: the same bits. 512 KiB, of which gates within a few binades of 1
+// (a layer's usual ones) use a few thousand entries. 2-core Xeon, the backward pass alone (medians of
 // 15–41, old and new library alternated twice): 64 rows × 512 in cache 78.7 → 55.8 cycles a
 // 16-lane step, Mixtral's 4096 × 3584 10.8 → 7.9 ms (then ~22 GB/s of h, da, a and dh: at
 // the memory's rate); layer bf16 forward+backward T = 2048 Mixtral 1.017×, fine-grained level

@@ -1185,11 +1185,11 @@ def _ffn_forward(
     # Where the first projection's activation runs in the AMX product for every block, a
     # group's only temporary of its width is a [rows, F] (h_NH, kept for backward, is written
     # in place; in inference h is not written), so its groups are counted in F: twice the
-    # rows, the same memory. 2-core Xeon, A/B in one
-    # process (9–21 rounds), the same bits: bf16 forward fine-grained T = 2048 (one group,
-    # the one-call path) 1.098× (twice), T = 4096 1.044×, T = 1024 / 8192 level, Mixtral T =
-    # 2048 1.018×; forward+backward fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048
-    # level; working memory at T = 2048 unchanged (fine-grained 100, Mixtral 91 MiB).
+    # rows, the same memory. 2-core Xeon, A/B in one process (9–21 rounds), the same bits:
+    # bf16 forward fine-grained T = 2048 (one group, the one-call path) 1.098× (twice), T =
+    # 4096 1.044×, T = 1024 / 8192 level, Mixtral T = 2048 1.018×; forward+backward
+    # fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048 level; working memory at T = 2048
+    # unchanged (fine-grained 100, Mixtral 91 MiB).
     width = F_ if swiglu_in_product and _amx.swiglu_forward_takes(w1_EHD, blocks) else H
     groups = _groups(blocks, width, split=False, itemsize=cdt.itemsize)
     most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
