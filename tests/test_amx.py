@@ -694,14 +694,36 @@ def test_swiglu_forward_blocks_round_the_screens_edges_and_nan_as_swiglu():
     assert 0 < a[15, 3].float().abs() < 2.0**-126 and 0 < a[16, 9].float().abs() < 2.0**-126  # (the cases hold)
 
 
+def test_swiglu_forward_blocks_take_rows_past_the_plain_products_limit():
+    """Through a weight past FORWARD_SMALL_WEIGHT's elements, `swiglu_forward_blocks` takes a
+    block of more rows than `linear_blocks` does (SWIGLU_FORWARD_MAX_ROWS): h bit for bit the
+    plain product's in two parts of rows (each output element the same sum either way), a
+    `swiglu`'s of that h."""
+    _needs_amx()
+    F, I = 576, 1024  # 2F·I = 1.18·2^20 elements
+    rows = _amx.FORWARD_MAX_ROWS + 17
+    assert _amx.forward_max_rows((2 * F, I)) < rows <= _amx.swiglu_forward_max_rows((2 * F, I))
+    torch.manual_seed(12)
+    w = (torch.randn(1, 2 * F, I) * 0.05).bfloat16()
+    x = torch.randn(rows, I).bfloat16()
+    assert not _amx.linear_blocks(torch.empty(rows, 2 * F, dtype=bf16), x, w, [(0, 0, rows)])
+    h_want = torch.empty(rows, 2 * F, dtype=bf16)
+    half = rows // 2
+    assert _amx.linear_blocks(h_want, x, w, [(0, 0, half), (0, half, rows)])
+    h, a = torch.empty(rows, 2 * F, dtype=bf16), torch.empty(rows, F, dtype=bf16)
+    assert _amx.swiglu_forward_blocks(h, a, x, w, [(0, 0, rows)])
+    assert torch.equal(h.view(torch.int16), h_want.view(torch.int16))
+    assert torch.equal(a.view(torch.int16), _amx.swiglu(h_want).view(torch.int16))
+
+
 def test_swiglu_forward_blocks_decline_what_they_do_not_take():
-    """F not a multiple of 32, a block past `forward_max_rows`, a float32 operand: False with
-    nothing written; an expert or rows outside the tensors: ValueError."""
+    """F not a multiple of 32, a block past `swiglu_forward_max_rows`, a float32 operand: False
+    with nothing written; an expert or rows outside the tensors: ValueError."""
     _needs_amx()
     x = torch.randn(40, 64, dtype=bf16)
     for w, blocks in [
         (torch.randn(2, 96, 64, dtype=bf16), [(0, 0, 8)]),  # F = 48
-        (torch.randn(2, 64, 64, dtype=bf16), [(0, 0, _amx.forward_max_rows((64, 64)) + 1)]),
+        (torch.randn(2, 64, 64, dtype=bf16), [(0, 0, _amx.swiglu_forward_max_rows((64, 64)) + 1)]),
     ]:
         rows = max(stop for _, _, stop in blocks)
         h = torch.full((rows, w.shape[1]), float("nan"), dtype=bf16)
