@@ -143,9 +143,14 @@ FORWARD_SMALL_WEIGHT = (2048, 1 << 20)
 # this many rows through larger weights: past FORWARD_MAX_ROWS oneDNN's plain product leads the
 # kernel's (7168×1024 at 4096 rows 2445–2516 against 2291–2348 GFLOP/s, 1024×3584 at 3072
 # 2090–2109 against 1888–1907), but the activation in the same pass saves the separate one over
-# h. Mixtral bf16, 1536 → 4096, A/B in one process (5–9 rounds): forward T = 8192 (~2048-row
-# blocks) 1.053 / 1.062×, T = 6144 1.01×, forward+backward T = 8192 1.019× (the same gradients).
-SWIGLU_FORWARD_MAX_ROWS = 4096
+# h (and in inference the [rows, 2F] buffer it needs). A/B in one process (5–15 rounds), bf16:
+# Mixtral, 1536 → 4096, forward T = 8192 (~2048-row blocks) 1.053 / 1.062×, T = 6144 1.01×,
+# forward+backward T = 8192 1.019× (the same gradients); the dense block (one expert: a block
+# of all T rows), SwiGLU(1024, 7168) at T = 2048, 1536 → 4096, forward 1.176×, forward+backward
+# 1.019× (SwiGLU(1024, 4096) 1.012×); at T = 8192, 4096 → 16384, forward 1.116× (1.078×),
+# forward+backward 1.019×. x's rows packed for it take rows·I·2 bytes of the thread's scratch
+# (32 MiB at 16384 rows of 1024).
+SWIGLU_FORWARD_MAX_ROWS = 16384
 INPUT_GRAD_MAX_ROWS = 128
 # ... and to 2048 rows through weights of at most 2^20 elements (fine-grained experts').
 INPUT_GRAD_SMALL_WEIGHT = (2048, 1 << 20)
