@@ -929,11 +929,11 @@ inline __m512 widened(__m256i bits) {
 // to bf16 as ExactRound rounds it (NativeRound rounds the same where it runs, on ordinary
 // values), and s = 1 / (1 + e^-g). A step then gathers both by g's bits instead of forming
 // e^-g and dividing twice: the same bits. 512 KiB, of which gates within a few binades of 1
-// (a layer's usual ones) use a few thousand entries. 2-core Xeon, the backward pass alone (medians of
-// 15–41, old and new library alternated twice): 64 rows × 512 in cache 78.7 → 55.8 cycles a
-// 16-lane step, Mixtral's 4096 × 3584 10.8 → 7.9 ms (then ~22 GB/s of h, da, a and dh: at
-// the memory's rate); layer bf16 forward+backward T = 2048 Mixtral 1.017×, fine-grained level
-// (4 rounds). The forward's activation beside the tile products (swiglu16) gained nothing
+// (a layer's usual ones) use a few thousand entries. 2-core Xeon, the backward pass alone
+// (medians of 15–41, old and new library alternated twice): 64 rows × 512 in cache 78.7 → 55.8
+// cycles a 16-lane step, Mixtral's 4096 × 3584 10.8 → 7.9 ms (then ~22 GB/s of h, da, a and
+// dh: at the memory's rate); layer bf16 forward+backward T = 2048 Mixtral 1.017×, fine-grained
+// level (4 rounds). The forward's activation beside the tile products (swiglu16) gained nothing
 // from it (level: it waits on the tiles) and computes as before.
 struct GateTable {
   alignas(64) float act[65536];
