@@ -180,9 +180,9 @@ def _tiles_backward(g_TE: Tensor, x_TD: Tensor, w_ED: Tensor, need_x: bool, need
     took 4.5 / 19.9 ms of a bf16 step (two thin float32 GEMMs at ~200 GFLOP/s, x widened, casts).
     Interleaved A/B in one process, bf16 forward+backward: fine-grained T = 256 / 2048 / 8192
     1.005 and 0.998 / 1.010–1.024 / 1.012–1.028× (three runs), Mixtral T = 2048 / 8192 0.997
-    and 0.981 / 0.996–1.028×; below
-    _TILES_BACKWARD_MIN_MACS (fine-grained from T = 512, Mixtral from 4096) its dozen small ops
-    cost more than they save (T = 1 0.95–0.97× with the caches swept)."""
+    and 0.981 / 0.996–1.028×; below _TILES_BACKWARD_MIN_MACS (fine-grained from T = 512,
+    Mixtral from 4096) its dozen small ops cost more than they save (T = 1 0.95–0.97× with the
+    caches swept)."""
     T, E = g_TE.shape
     D = x_TD.shape[1]
     if not (
