@@ -357,13 +357,12 @@ inline __attribute__((always_inline)) void fma_row(__m256 g_io, __m256 w0, __m25
 // memory and stored all twelve on every step of this loop (it does not for linear_tile's).
 // w: float or uint16_t (bf16 bits, see load8), its last vector's `tail` lanes read when MASKED.
 template <int ROWS, int VECS, bool MASKED, typename W, typename WT>
-void grad_tile(const InputGrad<W>& p, const float* g, int64_t c, float* y, int64_t o0, int64_t count, bool fresh,
+void grad_tile(const InputGrad<W>& p, const float* g, int64_t ldg, int64_t c, float* y, int64_t count, bool fresh,
                __m256i mask, int64_t tail, const WT* w, int64_t ldw) {
   static_assert(1 <= ROWS && ROWS <= 4 && 1 <= VECS && VECS <= 3, "tile");
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
-  const int64_t ldg = p.ldg;
-  const float *g0 = g + o0, *g1 = g0 + ldg, *g2 = g1 + ldg, *g3 = g2 + ldg;
+  const float *g0 = g, *g1 = g0 + ldg, *g2 = g1 + ldg, *g3 = g2 + ldg;
   auto load = [mask](const float* at, bool partial) {
     return partial ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
   };
@@ -388,19 +387,22 @@ void grad_tile(const InputGrad<W>& p, const float* g, int64_t c, float* y, int64
     }
 }
 
-// w: the panel's first row at its first column, ldw apart (w itself, or a packed copy).
-template <int VECS, bool MASKED, typename W, typename WT>
-void grad_panel(const InputGrad<W>& p, int64_t c, int64_t o0, int64_t count, bool fresh, __m256i mask, int64_t tail,
-                const WT* w, int64_t ldw) {
+// w: the panel's first row at its first column, ldw apart (w itself, or a packed copy); g:
+// the chunk's first step of g's first row, ldg apart (g itself, or a copy).
+// `before()` runs before each row tile (the packed path's prefetches, see grad_range).
+template <int VECS, bool MASKED, typename W, typename WT, typename Before>
+void grad_panel(const InputGrad<W>& p, const float* g, int64_t ldg, int64_t c, int64_t count, bool fresh,
+                __m256i mask, int64_t tail, const WT* w, int64_t ldw, Before&& before) {
   int64_t r = 0;
   for (; r + 4 <= p.rows; r += 4)
-    grad_tile<4, VECS, MASKED>(p, p.g + r * p.ldg, c, p.y + r * p.ldy, o0, count, fresh, mask, tail, w, ldw);
-  const float* g = p.g + r * p.ldg;
+    before(), grad_tile<4, VECS, MASKED>(p, g + r * ldg, ldg, c, p.y + r * p.ldy, count, fresh, mask, tail, w, ldw);
+  const float* g_r = g + r * ldg;
   float* y = p.y + r * p.ldy;
+  if (r < p.rows) before();
   switch (p.rows - r) {
-    case 3: grad_tile<3, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
-    case 2: grad_tile<2, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
-    case 1: grad_tile<1, VECS, MASKED>(p, g, c, y, o0, count, fresh, mask, tail, w, ldw); break;
+    case 3: grad_tile<3, VECS, MASKED>(p, g_r, ldg, c, y, count, fresh, mask, tail, w, ldw); break;
+    case 2: grad_tile<2, VECS, MASKED>(p, g_r, ldg, c, y, count, fresh, mask, tail, w, ldw); break;
+    case 1: grad_tile<1, VECS, MASKED>(p, g_r, ldg, c, y, count, fresh, mask, tail, w, ldw); break;
     default: break;
   }
 }
@@ -420,10 +422,13 @@ void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int6
   const bool pack = p.rows >= kPackRows;
   const int64_t chunk = pack ? kPackedChunk : kChunk;
   const int64_t width = last - first, padded = (width + 7) / 8 * 8;
-  std::vector<float> packed(pack ? chunk * padded : 0);
+  std::vector<float> packed(pack ? chunk * padded : 0), g_chunk(pack ? chunk * p.rows : 0);
   for (int64_t o0 = 0; o0 < out_features; o0 += chunk) {
     const int64_t count = std::min(chunk, out_features - o0);
     const bool fresh = o0 == 0;
+    if (pack)  // g's part for this chunk, its rows chunk floats apart (see above)
+      for (int64_t r = 0; r < p.rows; ++r)
+        std::copy(p.g + r * p.ldg + o0, p.g + r * p.ldg + o0 + count, g_chunk.data() + r * chunk);
     // panel q of width wq starts at column c (relative to first); packed at chunk·c, rows wq apart
     if (pack) {  // (bf16 weights widened to float32 on the way)
       for (int64_t o = 0; o < count; ++o) {
@@ -435,38 +440,46 @@ void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int6
         if (c < width) _mm256_storeu_ps(packed.data() + chunk * c + o * 8, load_tail(src + c, tail, mask));
       }
     }
-    // panel of VECS vectors at column c (relative to first): packed at chunk·c, rows 8·VECS
-    // apart; else read in place
+    using three = std::integral_constant<int, 3>;
+    using one = std::integral_constant<int, 1>;
+    // packed: the next chunk's rows of w prefetched while this chunk is multiplied, where its
+    // packing waited on memory with nothing to overlap. GFLOP/s without / with (a share of the
+    // rows before each panel; 64 fine-grained or 8 Mixtral experts' weights in turn, 7
+    // interleaved rounds, 2-core EPYC of 2026-12-02), at 32 / 64 rows of g: fine 1024×1024 56 /
+    // 64, 78 / 82; 1024×512 52 / 58, 76 / 80; Mixtral 7168×1024 64 / 72, 86 / 91; 1024×3584 69 /
+    // 72, 89 / 90 (into L2 instead: +0–8 %). The share is now a few lines before each row tile:
+    // a share of rows before each panel put up to 80 prefetches in a row, more misses than the
+    // core keeps in flight, and the product waited on them. On a Zen 1 EPYC (2026-12-05, 11
+    // interleaved rounds in one process): 1024×1024 / 1024×512 at 32 rows 49.5 → 53.2 / 46.6 →
+    // 53.1 GFLOP/s, Mixtral's at 64 rows level; into L2 (_MM_HINT_T1) level with L1.
+    const int64_t next = o0 + chunk, next_count = pack ? std::max<int64_t>(0, std::min(chunk, out_features - next)) : 0;
+    const int64_t row_lines = (width * int64_t{sizeof(W)} + 63) / 64;
+    const int64_t panels = width / 24 + (width % 24) / 8 + (width % 8 != 0);
+    const int64_t tiles = panels * ((p.rows + 3) / 4);
+    const int64_t per_tile = (next_count * row_lines + tiles - 1) / tiles;
+    int64_t fetch_row = 0, fetch_line = 0;
+    auto prefetch_share = [&]() {
+      for (int64_t n = 0; n < per_tile && fetch_row < next_count; ++n) {
+        const char* row = reinterpret_cast<const char*>(p.w + (next + fetch_row) * p.ldw + first);
+        _mm_prefetch(row + 64 * fetch_line, _MM_HINT_T0);
+        if (++fetch_line == row_lines) fetch_line = 0, ++fetch_row;
+      }
+    };
+    auto nothing = []() {};
     auto run = [&](auto vecs, auto masked, int64_t c) {
       constexpr int VECS = decltype(vecs)::value;
       constexpr bool MASKED = decltype(masked)::value;
       if (pack)
-        grad_panel<VECS, MASKED>(p, first + c, o0, count, fresh, mask, tail, packed.data() + chunk * c, 8 * VECS);
+        grad_panel<VECS, MASKED>(p, g_chunk.data(), chunk, first + c, count, fresh, mask, tail,
+                                 packed.data() + chunk * c, 8 * VECS, prefetch_share);
       else
-        grad_panel<VECS, MASKED>(p, first + c, o0, count, fresh, mask, tail, p.w + o0 * p.ldw + first + c, p.ldw);
-    };
-    using three = std::integral_constant<int, 3>;
-    using one = std::integral_constant<int, 1>;
-    // packed: the next chunk's rows of w prefetched while this chunk is multiplied, a share of
-    // them before each panel, where its packing waited on memory with nothing to overlap.
-    // GFLOP/s without / with (64 fine-grained or 8 Mixtral experts' weights in turn, 7
-    // interleaved rounds, 2-core EPYC), at 32 / 64 rows of g: fine 1024×1024 56 / 64, 78 / 82;
-    // 1024×512 52 / 58, 76 / 80; Mixtral 7168×1024 64 / 72, 86 / 91; 1024×3584 69 / 72, 89 /
-    // 90 (into L2 instead: +0–8 %).
-    const int64_t next = o0 + chunk, next_count = pack ? std::max<int64_t>(0, std::min(chunk, out_features - next)) : 0;
-    const int64_t panels = (width + 23) / 24 + 2;  // (at most: 24-column ones, one of 8, one masked)
-    const int64_t per_panel = (next_count + panels - 1) / panels;
-    int64_t fetched = 0;
-    auto prefetch_share = [&]() {
-      for (int64_t n = 0; n < per_panel && fetched < next_count; ++n, ++fetched) {
-        const char* row = reinterpret_cast<const char*>(p.w + (next + fetched) * p.ldw + first);
-        for (int64_t b = 0; b < width * int64_t{sizeof(W)}; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-      }
+        grad_panel<VECS, MASKED>(p, p.g + o0, p.ldg, first + c, count, fresh, mask, tail, p.w + o0 * p.ldw + first + c,
+                                 p.ldw, nothing);
     };
     int64_t c = 0;
-    for (; c + 24 <= width; c += 24) prefetch_share(), run(three{}, std::false_type{}, c);
-    for (; c + 8 <= width; c += 8) prefetch_share(), run(one{}, std::false_type{}, c);
-    if (c < width) prefetch_share(), run(one{}, std::true_type{}, c);
+    for (; c + 24 <= width; c += 24) run(three{}, std::false_type{}, c);
+    for (; c + 8 <= width; c += 8) run(one{}, std::false_type{}, c);
+    if (c < width) run(one{}, std::true_type{}, c);
   }
 }
 
