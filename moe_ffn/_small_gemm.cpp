@@ -412,9 +412,9 @@ constexpr int64_t kPackedChunk = 64;  // rows of w per pass over y when packed
 
 // Columns [first, last) of y (first a multiple of 8), all rows of w. From kPackRows rows of g,
 // each chunk of w's rows is first copied, row after row (read in memory order), into panels
-// of consecutive rows: read in place, a panel's rows lie a row length apart, which for a
-// power-of-two length puts them all in one L1 set, evicting each other while the row tiles
-// pass over them.
+// of consecutive rows, and g's part of the chunk into rows `chunk` floats apart: read in
+// place, a panel's rows (and g's) lie a row length apart, which for a power-of-two length
+// puts them all in one L1 set, evicting each other while the row tiles pass over them.
 template <typename W>
 void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int64_t last) {
   const int64_t tail = (last - first) % 8;
@@ -426,7 +426,7 @@ void grad_range(const InputGrad<W>& p, int64_t out_features, int64_t first, int6
   for (int64_t o0 = 0; o0 < out_features; o0 += chunk) {
     const int64_t count = std::min(chunk, out_features - o0);
     const bool fresh = o0 == 0;
-    if (pack)  // g's part for this chunk, its rows chunk floats apart (see above)
+    if (pack)  // g's part for this chunk (see above)
       for (int64_t r = 0; r < p.rows; ++r)
         std::copy(p.g + r * p.ldg + o0, p.g + r * p.ldg + o0 + count, g_chunk.data() + r * chunk);
     // panel q of width wq starts at column c (relative to first); packed at chunk·c, rows wq apart
