@@ -500,56 +500,37 @@ constexpr int64_t kSplitRowsMax = 6;  // rows of g up to which w's rows are spli
 
 constexpr int64_t kSplitBlock = 8;  // rows of w per pass over y's rows
 
-// y[r, c : c + 8] (+)= sum over j < count of g[r, o + j] · w[o + j, c : c + 8] for ROWS (≤ 6) rows
-// of g (the vector's first `tail` lanes when MASKED; y read unless `first`).
-template <int ROWS, bool MASKED, typename W>
+// y[r, c : c + 8·V] (+)= sum over j < count of g[r, o + j] · w[o + j, c : c + 8·V] for ROWS (≤ 6)
+// rows of g (the last vector's first `tail` lanes when MASKED; y read unless `first`). Each
+// step's broadcast of g[r, o + j] serves V products, and the ROWS·V sums are independent
+// chains (with one vector, ROWS chains of one step each waited on the FMA's latency at 1–4
+// rows); the same sums in the same order for any V. Reading w, GB/s V = 1 → V = 4 (1–2 rows)
+// or 2 (3–6) (64 fine-grained or 8 Mixtral experts' weights in turn, every block in one
+// input_grad_blocks call, 11 interleaved rounds in one process, Zen 1 EPYC, 2026-12-05), 4
+// rows: bf16 1024×1024 8.0 → 8.4, 7168×1024 7.9 → 9.0, 1024×3584 8.9 → 10.0; float32 15.1 →
+// 18.5, 17.1 → 18.7, 18.4 → 20.6; 2 rows float32 1024×1024 20.5 → 22.4, 7168×1024 21.7 → 23.4,
+// 1024×512 level (2-row bf16 blocks take split_line: level; on V = 4 instead 0.94–1.21× the
+// time). Layer forward+backward (21 rounds): bf16 Mixtral T=16 0.968×, fine 0.985×; float32
+// Mixtral T=16 level.
+template <int ROWS, int V, bool MASKED, typename W>
 inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_t c, float* y, int64_t ldy,
                          bool first, __m256i mask, int64_t tail) {
-  static_assert(1 <= ROWS && ROWS <= kSplitRowsMax, "tile");
-  __m256 acc[ROWS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r)
-    acc[r] = first ? _mm256_setzero_ps()
-                   : MASKED ? _mm256_maskload_ps(y + r * ldy + c, mask) : _mm256_loadu_ps(y + r * ldy + c);
-  const W* w = p.w + o * p.ldw + c;
-  const float* g = p.g + o;
-  for (int64_t j = 0; j < count; ++j, w += p.ldw, ++g) {
-    const __m256 w_j = MASKED ? load_tail(w, tail, mask) : load8(w);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(g + r * p.ldg), w_j, acc[r]);
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    if (MASKED) _mm256_maskstore_ps(y + r * ldy + c, mask, acc[r]);
-    else _mm256_storeu_ps(y + r * ldy + c, acc[r]);
-  }
-}
-
-// The same for V whole vectors at c (8·V columns) at once: each step's broadcast of g[r, o + j]
-// serves V products, and the ROWS·V sums are independent chains (split_vector's ROWS chains,
-// one step each, waited on the FMA's latency at 1–4 rows). The same sums in the same order.
-// Reading w, GB/s split_vector → split_vectors (64 fine-grained or 8 Mixtral experts' weights
-// in turn, every block in one input_grad_blocks call, 11 interleaved rounds in one process,
-// Zen 1 EPYC, 2026-12-05), 4 rows: bf16 1024×1024 8.0 → 8.4, 7168×1024 7.9 → 9.0, 1024×3584 8.9
-// → 10.0; float32 15.1 → 18.5, 17.1 → 18.7, 18.4 → 20.6; 2 rows float32 1024×1024 20.5 →
-// 22.4, 7168×1024 21.7 → 23.4, 1024×512 level (2-row bf16 blocks take split_line: level; on
-// split_vectors instead 0.94–1.21× the time). Layer forward+backward (21 rounds): bf16 Mixtral
-// T=16 0.968×, fine 0.985×; float32 Mixtral T=16 level.
-template <int ROWS, int V, typename W>
-inline void split_vectors(const InputGrad<W>& p, int64_t o, int64_t count, int64_t c, float* y, int64_t ldy,
-                          bool first) {
-  static_assert(1 <= ROWS && ROWS * V <= 12 && V <= 4, "tile");
+  static_assert(1 <= ROWS && ROWS <= kSplitRowsMax && 1 <= V && V <= 4 && ROWS * V <= 12, "tile");
+  auto partial = [](int v) { return MASKED && v == V - 1; };
   __m256 acc[ROWS][V];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + c + 8 * v);
+    for (int v = 0; v < V; ++v) {
+      float* at = y + r * ldy + c + 8 * v;
+      acc[r][v] = first ? _mm256_setzero_ps() : partial(v) ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
+    }
   const W* w = p.w + o * p.ldw + c;
   const float* g = p.g + o;
   for (int64_t j = 0; j < count; ++j, w += p.ldw, ++g) {
     __m256 w_j[V];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) w_j[v] = load8(w + 8 * v);
+    for (int v = 0; v < V; ++v) w_j[v] = partial(v) ? load_tail(w + 8 * v, tail, mask) : load8(w + 8 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       const __m256 g_rj = _mm256_broadcast_ss(g + r * p.ldg);
@@ -560,7 +541,11 @@ inline void split_vectors(const InputGrad<W>& p, int64_t o, int64_t count, int64
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + c + 8 * v, acc[r][v]);
+    for (int v = 0; v < V; ++v) {
+      float* at = y + r * ldy + c + 8 * v;
+      if (partial(v)) _mm256_maskstore_ps(at, mask, acc[r][v]);
+      else _mm256_storeu_ps(at, acc[r][v]);
+    }
 }
 
 // y[r, c : c + 32] (+)= g[r, o] · w[o, c : c + 32] for ROWS (≤ 2) rows of g (y read unless
@@ -613,8 +598,8 @@ void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t
       for (int64_t o = o0; o < o1; ++o) {
         const bool first = fresh && o == o0;
         for (int64_t c = 0; c < lines; c += 32) split_line<ROWS>(p, o, c, y, ldy, first);
-        for (int64_t c = lines; c < whole; c += 8) split_vector<ROWS, false>(p, o, 1, c, y, ldy, first, mask, 0);
-        if (whole < n) split_vector<ROWS, true>(p, o, 1, whole, y, ldy, first, mask, n - whole);
+        for (int64_t c = lines; c < whole; c += 8) split_vector<ROWS, 1, false>(p, o, 1, c, y, ldy, first, mask, 0);
+        if (whole < n) split_vector<ROWS, 1, true>(p, o, 1, whole, y, ldy, first, mask, n - whole);
       }
       return;
     }
@@ -624,9 +609,9 @@ void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t
     const bool first = fresh && o == o0;
     constexpr int V = ROWS <= 2 ? 4 : 2;  // (ROWS·V ≤ 12 sums, V vectors of w, one broadcast: ≤ 16 registers)
     int64_t c = 0;
-    for (; c + 8 * V <= whole; c += 8 * V) split_vectors<ROWS, V>(p, o, count, c, y, ldy, first);
-    for (; c < whole; c += 8) split_vector<ROWS, false>(p, o, count, c, y, ldy, first, mask, 0);
-    if (whole < n) split_vector<ROWS, true>(p, o, count, whole, y, ldy, first, mask, n - whole);
+    for (; c + 8 * V <= whole; c += 8 * V) split_vector<ROWS, V, false>(p, o, count, c, y, ldy, first, mask, 0);
+    for (; c < whole; c += 8) split_vector<ROWS, 1, false>(p, o, count, c, y, ldy, first, mask, 0);
+    if (whole < n) split_vector<ROWS, 1, true>(p, o, count, whole, y, ldy, first, mask, n - whole);
   }
 }
 
