@@ -739,6 +739,54 @@ inline __m256i round16_to_bf16(__m256 v0, __m256 v1) {
   const __m256i both = _mm256_packus_epi32(round8_bits(v0), round8_bits(v1));  // per lane: 4 of v0, 4 of v1
   return _mm256_permute4x64_epi64(both, 0xD8);  // v0's 8, then v1's 8
 }
+// line_tile's rounding (round_line): a sum's bits + 0x8000 rounds it half up, and their top
+// 16 bits are its nearest-even bf16 except on a tie to even (bottom 16 bits exactly 0x8000, top
+// ones even), which is where the bottom 17 bits of the sum read 0x10000 and one less is right:
+// 4 instructions for 8 sums (add, and, compare, add; round8_bits takes 5, and 2 more for its
+// NaN blend), the same bits as round8_bits for every float32 but a NaN.
+struct LineRounding {
+  __m256i half, low17, tie;  // 0x8000, 0x1FFFF, 0x10000 in each 32-bit lane
+};
+inline __m256i nearest_even_top(__m256 sums, const LineRounding& k) {
+  const __m256i up = _mm256_add_epi32(_mm256_castps_si256(sums), k.half);
+  return _mm256_add_epi32(up, _mm256_cmpeq_epi32(_mm256_and_si256(up, k.low17), k.tie));  // (-1 on a tie to even)
+}
+// Sixteen sums from `even` (columns 0, 2, …, 14) and `odd` (1, 3, …, 15): each 32-bit lane of
+// the two holds a column pair, so one shift and one blend put the sixteen bf16 in column order
+// (round16_to_bf16: two shifts, a pack and a permute). NaNs not set (see round_line).
+inline __m256i round16_pairs(__m256 even, __m256 odd, const LineRounding& k) {
+  return _mm256_blend_epi16(_mm256_srli_epi32(nearest_even_top(even, k), 16), nearest_even_top(odd, k), 0xAA);
+}
+// bits (round16_pairs' of even, odd) with 0x7FC0 where the sum is NaN.
+inline __m256i quiet_nans(__m256i bits, __m256 even, __m256 odd) {
+  const __m256i nan = _mm256_blend_epi16(_mm256_castps_si256(_mm256_cmp_ps(even, even, _CMP_UNORD_Q)),
+                                         _mm256_castps_si256(_mm256_cmp_ps(odd, odd, _CMP_UNORD_Q)), 0xAA);
+  return _mm256_blendv_epi8(bits, _mm256_set1_epi16(0x7FC0), nan);
+}
+
+// One row of line_tile: 32 float32 sums (s0, s1: columns 0–15 as round16_pairs takes them; s2,
+// s3: 16–31) rounded to bf16 as round8_to_bf16 rounds and streamed into `line`; NaNs, rare,
+// found by two compares for the row and set only in a row that has one. The same bits as
+// round8_to_bf16 for every float32 (checked on all 2^32; the tests run every rounding case).
+// Why: on the 2-core Zen 1 EPYC (128-bit units, two µops a 256-bit instruction, shifts on one
+// pipe) a bf16 weight gradient from a few rows is mostly its rounding. GB/s of bf16 written, 64
+// fine-grained or 8 Mixtral experts' gradients in turn (8 / 64 / 8 a call at 1 / 2 / 4 rows),
+// bf16-valued rows, 15–41 interleaved rounds, round16_to_bf16 → this: fine-grained 1024×512 /
+// 1024×1024 at 1 row 9.0 / 9.5 → 9.8 / 10.8, at 2 rows 8.4 / 8.4 → 9.3 / 9.4; Mixtral 3584×1024
+// / 7168×1024 at 4 rows 6.8 / 6.6 → 7.4 / 7.3. (Top 16 bits taken unrounded, not exact: 14–17
+// at 1 row, the bound here. Rounded half up with a branch to an exact path on ties: 1.25× on
+// float32-valued rows, 0.75× on bf16-valued ones, whose products tie often: 1.8 % of the
+// products of two randn rows rounded to bf16, 29 % of the lines of 32 hold one.)
+inline void round_line(__m256 s0, __m256 s1, __m256 s2, __m256 s3, const LineRounding& k, __m256i* line) {
+  __m256i low = round16_pairs(s0, s1, k), high = round16_pairs(s2, s3, k);
+  const __m256 nans = _mm256_or_ps(_mm256_cmp_ps(s0, s1, _CMP_UNORD_Q), _mm256_cmp_ps(s2, s3, _CMP_UNORD_Q));
+  if (__builtin_expect(!_mm256_testz_ps(nans, nans), 0)) {  // (whole-lane masks: their sign bits)
+    low = quiet_nans(low, s0, s1);
+    high = quiet_nans(high, s2, s3);
+  }
+  _mm256_stream_si256(line, low);
+  _mm256_stream_si256(line + 1, high);
+}
 
 // The first `lanes` of eight sums into c: float32 as they are (masked), bfloat16 rounded.
 inline void store_sums(float* at, __m256 sum, int64_t lanes, __m256i mask) {
@@ -809,7 +857,8 @@ void product_tile(const float* a_pack, const float* b_pack, int64_t depth, C* c,
 // thin_product): ROWS (≤ 3) rows of c by 32 columns (the panels at b0_pack and b1_pack, side by
 // side), so that a row's 32 rounded sums fill one 64-byte line, written by two 32-byte
 // streaming stores back to back (c's lines 64-byte aligned: the caller checked). a_pack: the
-// tile's packed A at the group's first row (kTileRows floats a step).
+// tile's packed A at the group's first row (kTileRows floats a step); each panel packed with
+// its even columns first (see pack_b's `pairs`), for round_line.
 template <int ROWS>
 void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, int64_t depth, uint16_t* c,
                int64_t ldc) {
@@ -827,11 +876,11 @@ void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, 
     if constexpr (ROWS > 2) tile_row(a_pack + 2, b0, b1, c22, c23);
   }
   const __m256 acc[3][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}};
-  for (int i = 0; i < ROWS; ++i) {
-    __m256i* line = reinterpret_cast<__m256i*>(c + i * ldc);
-    _mm256_stream_si256(line, round16_to_bf16(acc[i][0], acc[i][1]));
-    _mm256_stream_si256(line + 1, round16_to_bf16(acc[i][2], acc[i][3]));
-  }
+  LineRounding k{_mm256_set1_epi32(0x8000), _mm256_set1_epi32(0x1FFFF), _mm256_set1_epi32(0x10000)};
+  // (opaque: GCC 12 otherwise rebuilt the constants from general registers for every row)
+  __asm__("" : "+x"(k.half), "+x"(k.low17), "+x"(k.tie));
+  for (int i = 0; i < ROWS; ++i)
+    round_line(acc[i][0], acc[i][1], acc[i][2], acc[i][3], k, reinterpret_cast<__m256i*>(c + i * ldc));
 }
 
 // `rows` (0–3) rows of c by line_tile (0: nothing).
@@ -876,9 +925,12 @@ inline float widen(uint16_t bits) {  // a bf16 is the top half of the float32 of
   return value;
 }
 
-// B: float, or uint16_t (bfloat16 bits, widened exactly as they are loaded).
+// B: float, or uint16_t (bfloat16 bits, widened exactly as they are loaded). Panels below
+// `pairs` (B's steps rows only) hold each step's 16 values as its 8 even columns, then its 8
+// odd ones (line_tile's order).
 template <typename B>
-void pack_b(const Product& p, const B* b, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
+void pack_b(const Product& p, const B* b, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst,
+            int64_t pairs) {
   const int64_t last_col = std::min(p.n, q1 * kPanel);
   if (p.b_col == 1) {  // B's steps are rows: each step's part of a row read in one sweep
     for (int64_t s = 0; s < depth; ++s) {
@@ -886,7 +938,13 @@ void pack_b(const Product& p, const B* b, int64_t q0, int64_t q1, int64_t s0, in
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t col = q * kPanel;
         float* at = dst + (q - q0) * depth * kPanel + s * kPanel;
-        if (col + kPanel <= last_col) {
+        if (q < pairs) {  // (lanes 0 2 8 10 | 4 6 12 14 of the shuffle, its 64-bit pairs reordered)
+          const __m256 low = load8(src + col), high = load8(src + col + 8);
+          const __m256 even = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0));
+          const __m256 odd = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1));
+          _mm256_storeu_ps(at, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+          _mm256_storeu_ps(at + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+        } else if (col + kPanel <= last_col) {
           _mm256_storeu_ps(at, load8(src + col));
           _mm256_storeu_ps(at + 8, load8(src + col + 8));
         } else {
@@ -914,9 +972,9 @@ void pack_b(const Product& p, const B* b, int64_t q0, int64_t q1, int64_t s0, in
   }
 }
 
-void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst) {
-  if (p.b16) pack_b(p, p.b16, q0, q1, s0, depth, dst);
-  else pack_b(p, p.b, q0, q1, s0, depth, dst);
+void pack_b(const Product& p, int64_t q0, int64_t q1, int64_t s0, int64_t depth, float* dst, int64_t pairs = 0) {
+  if (p.b16) pack_b(p, p.b16, q0, q1, s0, depth, dst, pairs);
+  else pack_b(p, p.b, q0, q1, s0, depth, dst, pairs);
 }
 
 // Rows [row, row + count) of c (count ≤ 6) of A over steps [s0, s0 + depth) into a tile: the
@@ -1013,6 +1071,15 @@ constexpr int64_t kThinPackFloats = int64_t{1} << 20;
 // the traffic of a product that is mostly writing.
 constexpr int64_t kStreamFloats = int64_t{1} << 19;
 
+// The panels of a bf16 c written a line at a time (line_tile, see thin_share): its pairs of
+// whole panels where c is large and its lines aligned, else none. B's panels below this are
+// packed for round_line (pack_b's `pairs`).
+int64_t line_panels(const Product& p) {
+  const bool lines = p.c16 && p.b_col == 1 && p.m * p.n >= kStreamFloats &&
+                     reinterpret_cast<uintptr_t>(p.c16) % 64 == 0 && p.ldc % 32 == 0;
+  return lines ? p.n / kPanel / 2 * 2 : 0;
+}
+
 template <bool STREAM, typename C>
 void thin_rows(const Product& p, C* c, int64_t r0, int64_t r1, bool add, const float* b_pack, float* a_pack) {
   const int64_t panels = (p.n + kPanel - 1) / kPanel, full = p.n / kPanel, tail = p.n - full * kPanel;
@@ -1068,8 +1135,7 @@ void thin_share(const Product& p, bool accumulate, int64_t r0, int64_t r1, const
   // 14.66, T=16 76.21 → 59.28, T=256 317.70 → 310.36.
   const bool stream = !accumulate && !p.c16 && p.m * p.n >= kStreamFloats &&
                       reinterpret_cast<uintptr_t>(p.c) % 32 == 0 && p.ldc % 8 == 0;
-  const bool stream16 = p.c16 && p.m * p.n >= kStreamFloats && reinterpret_cast<uintptr_t>(p.c16) % 64 == 0 &&
-                        p.ldc % 32 == 0;
+  const bool stream16 = p.c16 && line_panels(p) > 0;
   if (stream16) thin_rows<true>(p, p.c16, r0, r1, false, b_pack, a_pack);
   else if (p.c16) thin_rows<false>(p, p.c16, r0, r1, false, b_pack, a_pack);
   else if (stream) thin_rows<true>(p, p.c, r0, r1, false, b_pack, a_pack);
@@ -1087,7 +1153,7 @@ int thin_product(const Product& p, bool accumulate, int threads, const Team& tea
   on_team(team, std::min<int64_t>(count, panels), [&](int64_t t, int64_t parts) {  // B packed by both threads
     int64_t q0, q1;
     share(panels, 1, t, parts, &q0, &q1);
-    if (q0 < q1) pack_b(p, q0, q1, 0, p.k, scratch + q0 * p.k * kPanel);
+    if (q0 < q1) pack_b(p, q0, q1, 0, p.k, scratch + q0 * p.k * kPanel, line_panels(p));
   });
   on_team(team, count, [&](int64_t t, int64_t parts) {
     int64_t r0, r1;
@@ -1698,7 +1764,7 @@ int thin_blocks(const float* a, int64_t lda, const float* b, int64_t ldb, uint16
         continue;
       }
       Product p{a + start * lda, lda, 1, b + start * ldb, ldb, 1, nullptr, nullptr, nullptr, c_e, ldc, rows, m, n};
-      pack_b(p, 0, panels, 0, rows, b_pack);
+      pack_b(p, 0, panels, 0, rows, b_pack, line_panels(p));
       thin_share(p, false, r0, r1, b_pack, b_pack + b_floats);
     }
   });

@@ -412,6 +412,77 @@ def test_weight_grad_into_bf16_streamed_in_whole_lines_is_the_float32_result_rou
     assert torch.equal(shifted.view(torch.int16), out.view(torch.int16))
 
 
+def _bf16_bits_by_hand(sums: torch.Tensor) -> list[int]:
+    """float32 values' bf16 bits, rounded to nearest even on the integer bits (NaN as 0x7FC0)."""
+    out = []
+    for bits in sums.view(torch.int32).tolist():
+        bits &= 0xFFFFFFFF
+        if bits & 0x7FFFFFFF > 0x7F800000:
+            out.append(0x7FC0)
+        else:
+            out.append(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
+    return out
+
+
+# float32 bits around each way a bf16 rounding can go (sum bits → bf16 bits by hand in
+# _bf16_bits_by_hand): ties to even down and up, just off them, at the top of the finite range
+# (a tie there rounds up to infinity), positive subnormals and their ties; negative values whose
+# top half is 0x8000 and infinities; NaNs: quiet, signalling, negative
+BF16_ROUNDING_CASES = [
+    0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000, 0x7F7E8000, 0x7F7F8000,
+    0x7F7F7FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x00018000, 0x00007FFF, 0x00000001, 0x00800000,
+    0x4B7FFF80, 0x3D5C8000, 0xBEF88000,
+]
+BF16_EDGE_CASES = [0x80000001, 0x80008000, 0x80018000, 0x8000FFFF, 0x807F8000, 0x7F800000, 0xFF800000]
+BF16_NAN_CASES = [0x7FC00000, 0x7F800001, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC08000]
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("M", [526, 527])
+@pytest.mark.parametrize("entry", ["weight_grad_into", "weight_grad_blocks"])
+def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, entry):
+    """The streamed lines of a bf16 weight gradient (rounded half up where no sum of a line's
+    32 is a tie or a NaN, else exactly: round_line in _small_gemm.cpp) give each float32 sum's
+    nearest-even bf16, NaN as 0x7FC0, bit for bit: a's rows are ones and b's first row holds
+    chosen and random float32 bit patterns (b's other rows -0.0), so each sum is that pattern
+    (a NaN quieted, -0.0 as +0.0: the sums start from +0.0). Each kind of case has lines of
+    its own, so that a line's check sees it alone (a tie to even alone among ordinary sums).
+    M = 526 / 527: 3-row line tiles and a last one of 1 / 2 rows; both entry points (the
+    decode-sized blocks' one region)."""
+    _needs_kernel()
+    N = 1024
+    assert M * N >= 1 << 19
+    torch.manual_seed(rows * M)
+    patterns = torch.randint(-(2**31), 2**31, (N,), dtype=torch.int32)  # (about 1 in 8 lines with a NaN)
+    patterns[:160] = torch.randn(160).view(torch.int32)  # lines of 32 sums, the cases among ordinary sums:
+    patterns[: len(BF16_ROUNDING_CASES)] = _int32(BF16_ROUNDING_CASES)  # ties etc. alone (no NaN, no top half
+    patterns[32 : 32 + len(BF16_EDGE_CASES)] = _int32(BF16_EDGE_CASES)  # 0x8000 in the line); the edges;
+    patterns[64 : 64 + len(BF16_NAN_CASES)] = _int32(BF16_NAN_CASES)  # the NaNs; a single tie to even (down)
+    patterns[96 + 7] = _int32([0x3F808000])[0]  # in a line of ordinary sums; a line of ordinary sums only
+    patterns[N - 32 :] = _int32(BF16_ROUNDING_CASES[:16] + BF16_EDGE_CASES[:4] + BF16_NAN_CASES[:4] + [0x40000000] * 8).flip(0)
+    b = torch.full((rows, N), -0.0)
+    b[0] = patterns.view(torch.float32)
+    a = torch.ones(rows, M)
+    expected = torch.tensor(_bf16_bits_by_hand(b[0] + 0.0), dtype=torch.int32)
+    if entry == "weight_grad_into":
+        out = torch.full((M, N), 7.0).bfloat16()
+        assert out.data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_into(out, a.t(), b)
+    else:
+        grads = torch.full((2, M, N), 7.0).bfloat16()
+        assert grads[1].data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_blocks(grads, a, b, [(1, 0, rows)], [False])
+        assert bool((grads[0] == 7).all())
+        out = grads[1]
+    got = out.view(torch.int16).int() & 0xFFFF
+    wrong = (got != expected).nonzero().tolist()
+    assert not wrong, [(r, c, hex(patterns[c].item() & 0xFFFFFFFF), hex(got[r, c]), hex(expected[c])) for r, c in wrong[:8]]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(512, 1024), (600, 904)])
 def test_weight_grad_streamed_past_the_caches_matches_float64(rows, shape):
