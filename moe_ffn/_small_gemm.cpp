@@ -512,25 +512,52 @@ constexpr int64_t kSplitBlock = 8;  // rows of w per pass over y's rows
 // 1024×512 level (2-row bf16 blocks take split_line: level; on V = 4 instead 0.94–1.21× the
 // time). Layer forward+backward (21 rounds): bf16 Mixtral T=16 0.968×, fine 0.985×; float32
 // Mixtral T=16 level.
+// bf16 w with V even: 16 weights widened by one load and two unpacks with zeros (their bits
+// to the top of each 32-bit lane) where load8 takes two widening loads and two shifts (on Zen
+// 1 the shifts share one pipe with the FMAs' neighbours). The unpacks give columns 0–3 and 8–11
+// in one vector, 4–7 and 12–15 in the other (per 128-bit half), so the sums keep that order in
+// their registers: y is read and stored in 16-byte quarters (kPairs). Each column's sum is the
+// same, in the same order. Reading w, GB/s load8 → unpacks (8 Mixtral or 64 fine-grained
+// experts' weights in turn, every block in one input_grad_blocks call, 15–21 interleaved
+// rounds, two runs, Zen 1 EPYC, bf16-valued g): 1024×512 / 1024×1024 at 3 rows 7.4–7.8 /
+// 8.9–9.3 → 8.6 / 10.9–11.1, at 4 rows 6.7–6.9 / 7.6–8.0 → 7.3 / 8.3–9.0; 3584×1024 /
+// 7168×1024 at 4 rows 9.3–9.5 / 8.2–8.4 → 10.6–10.7 / 9.1, at 6 rows 6.1 / 4.9 → 6.5 / 5.3.
+// (1–2 rows of bf16 w mostly take split_line; unpacks there: mixed, not kept.)
 template <int ROWS, int V, bool MASKED, typename W>
 inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_t c, float* y, int64_t ldy,
                          bool first, __m256i mask, int64_t tail) {
   static_assert(1 <= ROWS && ROWS <= kSplitRowsMax && 1 <= V && V <= 4 && ROWS * V <= 12, "tile");
   auto partial = [](int v) { return MASKED && v == V - 1; };
+  constexpr bool kPairs = std::is_same_v<W, uint16_t> && V % 2 == 0 && !MASKED;
   __m256 acc[ROWS][V];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       float* at = y + r * ldy + c + 8 * v;
-      acc[r][v] = first ? _mm256_setzero_ps() : partial(v) ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
+      if constexpr (kPairs) {
+        const float* quad = y + r * ldy + c + 16 * (v / 2) + 4 * (v % 2);
+        acc[r][v] = first ? _mm256_setzero_ps()
+                          : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(quad)), _mm_loadu_ps(quad + 8), 1);
+      } else {
+        acc[r][v] = first ? _mm256_setzero_ps() : partial(v) ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
+      }
     }
   const W* w = p.w + o * p.ldw + c;
   const float* g = p.g + o;
   for (int64_t j = 0; j < count; ++j, w += p.ldw, ++g) {
     __m256 w_j[V];
+    if constexpr (kPairs) {
+#pragma GCC unroll 2
+      for (int h = 0; h < V / 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * h));
+        w_j[2 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+        w_j[2 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+      }
+    } else {
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) w_j[v] = partial(v) ? load_tail(w + 8 * v, tail, mask) : load8(w + 8 * v);
+      for (int v = 0; v < V; ++v) w_j[v] = partial(v) ? load_tail(w + 8 * v, tail, mask) : load8(w + 8 * v);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       const __m256 g_rj = _mm256_broadcast_ss(g + r * p.ldg);
@@ -543,8 +570,15 @@ inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       float* at = y + r * ldy + c + 8 * v;
-      if (partial(v)) _mm256_maskstore_ps(at, mask, acc[r][v]);
-      else _mm256_storeu_ps(at, acc[r][v]);
+      if constexpr (kPairs) {
+        float* quad = y + r * ldy + c + 16 * (v / 2) + 4 * (v % 2);
+        _mm_storeu_ps(quad, _mm256_castps256_ps128(acc[r][v]));
+        _mm_storeu_ps(quad + 8, _mm256_extractf128_ps(acc[r][v], 1));
+      } else if (partial(v)) {
+        _mm256_maskstore_ps(at, mask, acc[r][v]);
+      } else {
+        _mm256_storeu_ps(at, acc[r][v]);
+      }
     }
 }
 
