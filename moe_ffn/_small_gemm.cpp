@@ -1169,7 +1169,7 @@ void thin_share(const Product& p, bool accumulate, int64_t r0, int64_t r1, const
   // 14.66, T=16 76.21 → 59.28, T=256 317.70 → 310.36.
   const bool stream = !accumulate && !p.c16 && p.m * p.n >= kStreamFloats &&
                       reinterpret_cast<uintptr_t>(p.c) % 32 == 0 && p.ldc % 8 == 0;
-  const bool stream16 = p.c16 && line_panels(p) > 0;
+  const bool stream16 = line_panels(p) > 0;  // (a bf16 c)
   if (stream16) thin_rows<true>(p, p.c16, r0, r1, false, b_pack, a_pack);
   else if (p.c16) thin_rows<false>(p, p.c16, r0, r1, false, b_pack, a_pack);
   else if (stream) thin_rows<true>(p, p.c, r0, r1, false, b_pack, a_pack);
