@@ -529,19 +529,18 @@ inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_
   static_assert(1 <= ROWS && ROWS <= kSplitRowsMax && 1 <= V && V <= 4 && ROWS * V <= 12, "tile");
   auto partial = [](int v) { return MASKED && v == V - 1; };
   constexpr bool kPairs = std::is_same_v<W, uint16_t> && V % 2 == 0 && !MASKED;
+  // where sum vector v of row r lives in y: 8 columns from `at`, or (kPairs) 4 from `at` and 4
+  // from `at` + 8 (the unpacks' order, see below)
+  auto place = [&](int r, int v) { return y + r * ldy + c + (kPairs ? 16 * (v / 2) + 4 * (v % 2) : 8 * v); };
   __m256 acc[ROWS][V];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      float* at = y + r * ldy + c + 8 * v;
-      if constexpr (kPairs) {
-        const float* quad = y + r * ldy + c + 16 * (v / 2) + 4 * (v % 2);
-        acc[r][v] = first ? _mm256_setzero_ps()
-                          : _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(quad)), _mm_loadu_ps(quad + 8), 1);
-      } else {
-        acc[r][v] = first ? _mm256_setzero_ps() : partial(v) ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
-      }
+      const float* at = place(r, v);
+      if (first) acc[r][v] = _mm256_setzero_ps();
+      else if (kPairs) acc[r][v] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(at)), _mm_loadu_ps(at + 8), 1);
+      else acc[r][v] = partial(v) ? _mm256_maskload_ps(at, mask) : _mm256_loadu_ps(at);
     }
   const W* w = p.w + o * p.ldw + c;
   const float* g = p.g + o;
@@ -569,11 +568,10 @@ inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      float* at = y + r * ldy + c + 8 * v;
+      float* at = place(r, v);
       if constexpr (kPairs) {
-        float* quad = y + r * ldy + c + 16 * (v / 2) + 4 * (v % 2);
-        _mm_storeu_ps(quad, _mm256_castps256_ps128(acc[r][v]));
-        _mm_storeu_ps(quad + 8, _mm256_extractf128_ps(acc[r][v], 1));
+        _mm_storeu_ps(at, _mm256_castps256_ps128(acc[r][v]));
+        _mm_storeu_ps(at + 8, _mm256_extractf128_ps(acc[r][v], 1));
       } else if (partial(v)) {
         _mm256_maskstore_ps(at, mask, acc[r][v]);
       } else {
