@@ -17,7 +17,8 @@
 // register tiles of up to 4 rows of x by 3 rows of w (12 accumulators of 8 lanes); a tile
 // reuses its 3 rows of w from L1 for every 4 rows of x, so w is streamed from memory once per
 // call and never packed. bf16 weights against 1–7 rows of x: w's rows read one after another
-// instead (linear_rows). The threads split the rows of w.
+// instead (linear_rows); against 16–64 rows, each strip of w widened to float32 once into L1
+// (linear_strip_widened). The threads split the rows of w.
 //
 // input gradient, a few rows (up to 64): sums of rows of w scaled by g, in register tiles of
 // up to 4 rows of g by 24 columns of w. w is walked in chunks of consecutive rows, and every
@@ -255,6 +256,112 @@ void linear_rows(const Linear<uint16_t, Y>& p, int64_t first, int64_t last, __m2
   }
 }
 
+// bf16 weights against kWidenRows or more rows of x: each strip's rows widened to float32 once,
+// into a buffer on the stack (L1), and the strip's tiles run on it as on float32 weights, where
+// the strips above widen them again for every tile of 4 rows of x (load8: a widening load and a
+// shift per 8 weights for every 4 FMAs' worth of a row). Rows longer than kWidenChunk are
+// widened kWidenChunk steps at a time, every tile's sums kept in memory between the chunks
+// (`keep`, exact), from kWidenLongRows rows. The next chunk's bf16 rows are prefetched into L1
+// across the tiles, as the strips above do. The same sums in the same order as linear_tile's.
+// GFLOP/s strips → widened (every expert's block in one linear_blocks call, 64 fine-grained or
+// 8 Mixtral experts' weights in turn, 9–11 interleaved rounds, Zen 1 EPYC, 2026-12-06): fine
+// 1024×1024 / 1024×512 at 8 rows 40.5 / 34.4 → 35.8 / 35.1 (so from 16), 12 rows level, 16
+// rows 45.7 / 43.4 → 49.3 / 47.2, 32 rows 51.5 / 48.1 → 59.8 / 57.1, 64 rows 52.6 / 47.3 → 63
+// / 61; Mixtral 7168×1024 at 16 / 32 / 64 rows 47.4 → 49.4, 50.8 → 58.2, 52.1 → 64.0; its
+// 1024×3584 (chunks of 1024) at 16 / 24 / 28 / 32 / 64 rows 52.2 → 48.8, 54.3 → 54.2, 53.4 →
+// 55.8, 52.6 → 55.5, 51.9 → 60.1 (the chunks' first and last passes compiled apart: 1.02–1.07×
+// the same code with run-time flags). Layer bf16 forward T = 256 (7 / 5 rounds, same bits):
+// fine 0.862× the time, Mixtral 0.890×.
+constexpr int64_t kWidenRows = 16;
+constexpr int64_t kWidenChunk = 1024;       // steps per widened chunk (a multiple of 8)
+constexpr int64_t kWidenKeepRows = 64;      // rows of x whose sums `keep` holds between chunks
+constexpr int64_t kWidenLongRows = 28;      // rows from which rows longer than a chunk are widened
+
+inline void widen_row(const uint16_t* w, int64_t n, float* dst) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, load8(w + k));
+  for (; k < n; ++k) {
+    const uint32_t bits = uint32_t{w[k]} << 16;
+    std::memcpy(dst + k, &bits, sizeof bits);
+  }
+}
+
+// ROWS rows of x against COLS widened rows of w (`strip`, rows kWidenChunk apart) over steps
+// [k0, k0 + n): the sums start from zero (`first`) or from `keep`, and go back into `keep`, or
+// (`last`, the chunk that holds the tail of fewer than 8 steps) across their lanes into y.
+template <int ROWS, int COLS, bool FIRST, bool LAST, typename Y>
+void linear_tile_chunk(const float* x, int64_t ldx, const float* strip, int64_t k0, int64_t n, float* keep, Y* y,
+                       int64_t ldy, const float* b, __m256i tail_mask) {
+  __m256 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = FIRST ? _mm256_setzero_ps() : _mm256_load_ps(keep + 8 * (i * COLS + j));
+  const int64_t whole = n & ~int64_t{7};
+  for (int64_t k = 0; k < whole; k += 8) {
+    __m256 w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = _mm256_load_ps(strip + j * kWidenChunk + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 x_k = _mm256_loadu_ps(x + i * ldx + k0 + k);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(x_k, w_k[j], acc[i][j]);
+    }
+  }
+  if (whole < n) {
+    __m256 w_k[COLS];
+    for (int j = 0; j < COLS; ++j) w_k[j] = _mm256_maskload_ps(strip + j * kWidenChunk + whole, tail_mask);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 x_k = _mm256_maskload_ps(x + i * ldx + k0 + whole, tail_mask);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(x_k, w_k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) {
+      if constexpr (LAST) store(y + i * ldy + j, horizontal_sum(acc[i][j]) + (b ? b[j] : 0.0f));
+      else _mm256_store_ps(keep + 8 * (i * COLS + j), acc[i][j]);
+    }
+}
+
+template <int COLS, bool FIRST, bool LAST, typename Y>
+void linear_chunk_widened(const Linear<uint16_t, Y>& p, const uint16_t* w, int64_t k0, int64_t n, float* strip,
+                          float* keep, const float* b, Y* y, __m256i tail_mask) {
+  for (int j = 0; j < COLS; ++j) widen_row(w + j * p.ldw + k0, n, strip + j * kWidenChunk);
+  // the next chunk to widen: this strip's next one, or the next strip's first
+  const int64_t I = p.in_features, tiles = p.rows / 4;
+  const uint16_t* next_w = LAST ? w + COLS * p.ldw : w + k0 + n;
+  const int64_t lines = (std::min(kWidenChunk, LAST ? I : I - k0 - n) * int64_t{sizeof(uint16_t)} + 63) / 64;
+  const int64_t per_tile = tiles > 0 ? (COLS * lines + tiles - 1) / tiles : 0;
+  int64_t r = 0, ahead = 0;
+  for (; r + 4 <= p.rows; r += 4) {
+    for (int64_t m = 0; m < per_tile && ahead < COLS * lines; ++m, ++ahead)
+      _mm_prefetch(reinterpret_cast<const char*>(next_w + ahead / lines * p.ldw) + 64 * (ahead % lines), _MM_HINT_T0);
+    linear_tile_chunk<4, COLS, FIRST, LAST>(p.x + r * p.ldx, p.ldx, strip, k0, n, keep + r * COLS * 8, y + r * p.ldy,
+                                            p.ldy, b, tail_mask);
+  }
+  const float* x = p.x + r * p.ldx;
+  float* kept = keep + r * COLS * 8;
+  Y* y_r = y + r * p.ldy;
+  switch (p.rows - r) {
+    case 3: linear_tile_chunk<3, COLS, FIRST, LAST>(x, p.ldx, strip, k0, n, kept, y_r, p.ldy, b, tail_mask); break;
+    case 2: linear_tile_chunk<2, COLS, FIRST, LAST>(x, p.ldx, strip, k0, n, kept, y_r, p.ldy, b, tail_mask); break;
+    case 1: linear_tile_chunk<1, COLS, FIRST, LAST>(x, p.ldx, strip, k0, n, kept, y_r, p.ldy, b, tail_mask); break;
+    default: break;
+  }
+}
+
+template <int COLS, typename Y>
+void linear_strip_widened(const Linear<uint16_t, Y>& p, int64_t o, __m256i tail_mask) {
+  alignas(32) float strip[3 * kWidenChunk];
+  alignas(32) float keep[kWidenKeepRows * 3 * 8];
+  const int64_t I = p.in_features;
+  const uint16_t* w = p.w + o * p.ldw;
+  const float* b = p.b ? p.b + o : nullptr;
+  Y* y = p.y + o;
+  if (I <= kWidenChunk) return linear_chunk_widened<COLS, true, true>(p, w, 0, I, strip, keep, b, y, tail_mask);
+  linear_chunk_widened<COLS, true, false>(p, w, 0, kWidenChunk, strip, keep, b, y, tail_mask);
+  int64_t k0 = kWidenChunk;
+  for (; I - k0 > kWidenChunk; k0 += kWidenChunk)
+    linear_chunk_widened<COLS, false, false>(p, w, k0, kWidenChunk, strip, keep, b, y, tail_mask);
+  linear_chunk_widened<COLS, false, true>(p, w, k0, I - k0, strip, keep, b, y, tail_mask);
+}
+
 // Rows [first, last) of w: bf16 weights against a few rows of x row after row (above), else in
 // strips of 3 rows.
 template <typename W, typename Y>
@@ -275,6 +382,14 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
     }
   }
   int64_t o = first;
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (p.in_features <= kWidenChunk ? p.rows >= kWidenRows : kWidenLongRows <= p.rows && p.rows <= kWidenKeepRows) {
+      for (; o + 3 <= last; o += 3) linear_strip_widened<3>(p, o, tail_mask);
+      if (last - o == 2) linear_strip_widened<2>(p, o, tail_mask);
+      if (last - o == 1) linear_strip_widened<1>(p, o, tail_mask);
+      return;
+    }
+  }
   for (; o + 3 <= last; o += 3) linear_strip<3>(p, o, tail_mask);
   if (last - o == 2) linear_strip<2>(p, o, tail_mask);
   if (last - o == 1) linear_strip<1>(p, o, tail_mask);

@@ -282,6 +282,47 @@ def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(
     assert _small_gemm.linear_into(out32, x.float(), w.float(), b.float())
     assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
 
+def _strip_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    """float32 sums of x·wᵀ (+ b) in the order the forward's strips of 3 rows of w form them
+    (_small_gemm.cpp, linear_tile): each sum in 8 lanes, lane j adding x[k]·w[k] for k = j mod 8
+    in k's order (the last, partial vector's lanes past I add 0·0), then the lanes summed as
+    ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the bias. For bf16 x and w every
+    product is exact in float32, so each step below is the FMA's single rounding."""
+    rows, I = x.shape
+    pad = -I % 8
+    xs = torch.nn.functional.pad(x.float(), (0, pad)).view(rows, -1, 8)
+    ws = torch.nn.functional.pad(w.float(), (0, pad)).view(w.shape[0], -1, 8)
+    acc = torch.zeros(rows, w.shape[0], 8)
+    for k in range(xs.shape[1]):
+        acc = acc + xs[:, None, k, :] * ws[None, :, k, :]
+    s4 = acc[..., :4] + acc[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    sums = s2[..., 0] + s2[..., 1]
+    return sums if b is None else sums + b.float()
+
+
+# 8–15 rows: the strips widen bf16 weights for every tile of 4 rows; from 16 rows (from 28
+# where I is past one widened chunk of 1024, up to 64) each strip is widened once into a
+# float32 buffer, long rows a chunk at a time with the tiles' sums kept between the chunks
+# (linear_strip_widened): the same order either way
+@pytest.mark.parametrize("rows", [8, 13, 16, 27, 28, 31, 64])
+@pytest.mark.parametrize("I", [300, 1024, 1025, 2048, 2100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_strips_sum_in_the_tiles_order_and_round_once(rows, I, bias):
+    """Bitwise: bf16 x, w (and b) against 8–64 rows, every sum the float32 sum in the strips'
+    documented order (emulated in torch), rounded to bf16 once by torch; O = 77 leaves a strip
+    of 2 rows of w at the end of a thread's share."""
+    _needs_kernel()
+    torch.manual_seed(rows * I)
+    O = 77
+    x, w = _strided(rows, I).bfloat16(), _strided(O, I).bfloat16()
+    b = torch.randn(O).bfloat16() if bias else None
+    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x, w, b)
+    expected = _strip_order_sums(x, w, b).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
 # from 24: w packed first; from 65: the packed product (see test_linear_matches_float64)
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 7, 16, 24, 37, 64, 65, 97, 200, 700])
 @pytest.mark.parametrize(
