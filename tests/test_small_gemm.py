@@ -282,6 +282,33 @@ def test_bf16_results_are_the_float32_kernel_on_widened_copies_rounded_by_torch(
     assert _small_gemm.linear_into(out32, x.float(), w.float(), b.float())
     assert torch.equal(out.view(torch.int16), out32.bfloat16().view(torch.int16))
 
+def _swamping(rows: int, O: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 x [rows, I] of ones and w [O, I] whose rows hold four pairs of ±2^25 at random
+    places, ones and twos at some others, zeros elsewhere: every exact sum is a small integer,
+    and which of the small terms survive in float32 (an addend below half of 2^25's spacing is
+    lost) depends on the order each sum is formed in, so the bf16 results show the order
+    (randn data hides it: a float32 sum's last bits rarely reach bf16's)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.zeros(O, I)
+    for o in range(O):
+        places = torch.randperm(I, generator=gen)
+        w[o, places[:4]], w[o, places[4:8]] = 2.0**25, -(2.0**25)
+        n = min(I - 8, max(8, 60 * I // 1024))
+        w[o, places[8 : 8 + n]] = torch.randint(1, 3, (n,), generator=gen).float()
+    return torch.ones(rows, I).bfloat16(), w.bfloat16()
+
+
+def _order_test_operands(data: str, rows: int, O: int, I: int):
+    """x [rows, I] (a strided view) and w [O, I], bf16: random normal, or `_swamping`'s."""
+    torch.manual_seed(rows * I)
+    if data == "randn":
+        return _strided(rows, I).bfloat16(), _strided(O, I).bfloat16()
+    x, w = _swamping(rows, O, I, rows * I)
+    x_wide = torch.zeros(rows, I + 3).bfloat16()
+    x_wide[:, 1 : I + 1] = x
+    return x_wide[:, 1 : I + 1], w
+
+
 def _strip_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     """float32 sums of x·wᵀ (+ b) in the order the forward's strips of 3 rows of w form them
     (_small_gemm.cpp, linear_tile): each sum in 8 lanes, lane j adding x[k]·w[k] for k = j mod 8
@@ -301,6 +328,71 @@ def _strip_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     return sums if b is None else sums + b.float()
 
 
+def _rows_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    """float32 sums of x·wᵀ (+ b) in the order the forward forms them against bf16 weights for
+    1–7 rows of x (_small_gemm.cpp, linear_rows): S sets of 8 lanes (S = 4 for 1–2 rows, 2 for
+    3–4, 1 for 5–7), steps of 8·S weights, set s lane j adding the weight at 8·s + j of each
+    step; the whole vectors past the last such step into set 0, the partial last vector (zeros
+    past I) into set 1 (set 0 where S = 1); then (set 0 + set 1) + (set 2 + set 3) (as many as
+    there are), its lanes summed as the strips' are (_strip_order_sums), then the bias."""
+    rows, I = x.shape
+    O, S = w.shape[0], 4 if rows <= 2 else 2 if rows <= 4 else 1
+    body, whole = I // (8 * S) * (8 * S), I // 8 * 8
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(rows, O, S, 8)
+    for k in range(0, body, 8 * S):
+        acc = acc + xf[:, None, k : k + 8 * S].reshape(rows, 1, S, 8) * wf[None, :, k : k + 8 * S].reshape(1, O, S, 8)
+    for k in range(body, whole, 8):
+        acc[:, :, 0] = acc[:, :, 0] + xf[:, None, k : k + 8] * wf[None, :, k : k + 8]
+    if whole < I:
+        pad = whole + 8 - I
+        xt = torch.nn.functional.pad(xf[:, whole:], (0, pad))
+        wt = torch.nn.functional.pad(wf[:, whole:], (0, pad))
+        t = 1 if S > 1 else 0
+        acc[:, :, t] = acc[:, :, t] + xt[:, None, :] * wt[None, :, :]
+    v = acc[:, :, 0]
+    if S == 2:
+        v = acc[:, :, 0] + acc[:, :, 1]
+    if S == 4:
+        v = (acc[:, :, 0] + acc[:, :, 1]) + (acc[:, :, 2] + acc[:, :, 3])
+    s4 = v[..., :4] + v[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    sums = s2[..., 0] + s2[..., 1]
+    return sums if b is None else sums + b.float()
+
+
+# 1–2 rows of x whose I is whole steps of 32 (and fits kRowsBytes): weights widened by unpacks,
+# x read from a reordered copy (linear_rows_unpacked); other widths and 3–7 rows: linear_rows.
+# One row of I = 8192 is past the copy's 28 KiB: linear_rows.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("I", [45, 96, 300, 512, 1024])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("data", ["randn", "swamping"])
+def test_bf16_rows_of_w_one_after_another_sum_in_their_order_and_round_once(rows, I, bias, data):
+    """Bitwise: bf16 x, w (and b) against 1–7 rows of x, every sum the float32 sum in
+    linear_rows's documented order (emulated in torch), rounded to bf16 once by torch."""
+    _needs_kernel()
+    O = 77
+    x, w = _order_test_operands(data, rows, O, I)
+    b = torch.randn(O).bfloat16() if bias else None
+    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x, w, b)
+    expected = _rows_order_sums(x, w, b).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("I", [3584, 8192])
+@pytest.mark.parametrize("data", ["randn", "swamping"])
+def test_bf16_long_rows_against_one_row_sum_in_their_order(I, data):
+    """The same for one row of x against Mixtral's long rows of w (3584: the unpacked path)
+    and rows past the reordered copy (8192)."""
+    _needs_kernel()
+    x, w = _order_test_operands(data, 1, 40, I)
+    out = torch.empty(1, 40, dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x, w, None)
+    assert torch.equal(out.view(torch.int16), _rows_order_sums(x, w, None).bfloat16().view(torch.int16))
+
+
 # 8–15 rows: the strips widen bf16 weights for every tile of 4 rows; from 16 rows (from 28
 # where I is past one widened chunk of 1024, up to 64) each strip is widened once into a
 # float32 buffer, long rows a chunk at a time with the tiles' sums kept between the chunks
@@ -308,14 +400,14 @@ def _strip_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [8, 13, 16, 27, 28, 31, 64])
 @pytest.mark.parametrize("I", [300, 1024, 1025, 2048, 2100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_strips_sum_in_the_tiles_order_and_round_once(rows, I, bias):
+@pytest.mark.parametrize("data", ["randn", "swamping"])
+def test_bf16_strips_sum_in_the_tiles_order_and_round_once(rows, I, bias, data):
     """Bitwise: bf16 x, w (and b) against 8–64 rows, every sum the float32 sum in the strips'
     documented order (emulated in torch), rounded to bf16 once by torch; O = 77 leaves a strip
     of 2 rows of w at the end of a thread's share."""
     _needs_kernel()
-    torch.manual_seed(rows * I)
     O = 77
-    x, w = _strided(rows, I).bfloat16(), _strided(O, I).bfloat16()
+    x, w = _order_test_operands(data, rows, O, I)
     b = torch.randn(O).bfloat16() if bias else None
     out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
     assert _small_gemm.linear_into(out, x, w, b)
