@@ -2239,6 +2239,46 @@ extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int
                                   num_threads);
 }
 
+// The same for bf16 x, w1, w2 in a layer that computes in float32 (x's rows widened exactly as
+// they are gathered into xg, float32), through the bf16 linear-blocks entry points
+// (moe_ffn_linear_blocks_bf16's signature) into bf16 h and y: h widened into h32 (float32
+// [rows, 2F]), a = silu(gate)·up rounded to bf16 values in float32 (moe_ffn_swiglu_f32 with
+// round_bf16: a bf16 `a` widened, as the second projection reads it), and out[token[n]] +=
+// weight[n]·y[n] from bf16 y. The calls grouped.py's decode path makes for a bf16 layer
+// computing in float32 (gather, linear_blocks (x widened), h.to(float32), swiglu, .to(bf16),
+// linear_blocks (a widened), scatter_add_rows), the same bits, in one crossing from Python
+// instead of nine.
+using LinearBlocksBf16 = int (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t,
+                                 const int64_t*, int64_t, int64_t, int64_t, int, void*, void*, void*);
+
+extern "C" int moe_ffn_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
+                                                 const float* weight, const uint16_t* w1, int64_t w1_expert,
+                                                 int64_t ldw1, const uint16_t* w2, int64_t w2_expert, int64_t ldw2,
+                                                 int64_t experts, int64_t dim, int64_t features, const int64_t* blocks,
+                                                 int64_t count, int64_t rows, float* xg, uint16_t* h, float* h32,
+                                                 float* a, uint16_t* y, float* out, void* linear1, void* linear2,
+                                                 int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint16_t* from = x + token[n] * ldx;
+    for (int64_t i = 0; i < dim; ++i) xg[n * dim + i] = widen(from[i]);
+  }
+  const int64_t width = 2 * features;
+  if (reinterpret_cast<LinearBlocksBf16>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width,
+                                                  dim, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  for (int64_t i = 0; i < rows * width; ++i) h32[i] = widen(h[i]);
+  if (moe_ffn_swiglu_f32(h32, width, a, features, rows, features, 1, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (reinterpret_cast<LinearBlocksBf16>(linear2)(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count,
+                                                  dim, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, 1, dim, weight, rows, dim, threads, parallel, thread_num,
+                                  num_threads);
+}
+
 // A routing plan's order without capacity: order[i] = the i-th of the n assignments (t·top_k +
 // k, expert ids[t·top_k + k]) sorted by expert, equal experts in their own order (a counting
 // sort: the order a stable sort gives), counts[e] = the assignments of expert e, token[i] =

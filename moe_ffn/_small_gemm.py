@@ -230,7 +230,7 @@ def library() -> Optional[ctypes.CDLL]:
         product_bf16b = lib.moe_ffn_product_bf16b
         swiglu, swiglu_backward = lib.moe_ffn_swiglu_f32, lib.moe_ffn_swiglu_backward_f32
         scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
-        routed_swiglu = lib.moe_ffn_routed_swiglu_blocks_f32
+        routed_swiglu, routed_swiglu_bf16 = lib.moe_ffn_routed_swiglu_blocks_f32, lib.moe_ffn_routed_swiglu_blocks_bf16
         plan_rows_fn, topk_rows_fn = lib.moe_ffn_plan_rows, lib.moe_ffn_topk_rows
     except (OSError, AttributeError):
         return None
@@ -254,13 +254,15 @@ def library() -> Optional[ctypes.CDLL]:
     product_bf16b.argtypes = product_bf16.argtypes
     scatter_add.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64] + team
     slot_sum.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ptr] + team
-    routed_swiglu.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
+    for fn in (routed_swiglu, routed_swiglu_bf16):
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
     routed_swiglu.argtypes += [ptr] * 7 + team
+    routed_swiglu_bf16.argtypes += [ptr] * 8 + team
     plan_rows_fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     topk_rows_fn.argtypes = [ptr, i64, i64, i64, i64, ptr] + team
     for fn in (
         product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu,
-        plan_rows_fn, topk_rows_fn,
+        routed_swiglu_bf16, plan_rows_fn, topk_rows_fn,
     ):
         fn.restype = ctypes.c_int
     return lib
@@ -547,36 +549,59 @@ def routed_swiglu_blocks(
     start, stop) cover rows 0..N in order. The steps are the calls grouped.py's decode path
     makes (the gather, `linear_blocks` for each projection, `swiglu`, `scatter_add_rows`) on the
     kernels those calls choose, in the same order: the same bits. None where one of them would
-    not run on its kernel (then the caller makes them); a token out of range raises."""
+    not run on its kernel (then the caller makes them); a token out of range raises.
+
+    bf16 x, w1 and w2 (`moe_ffn_routed_swiglu_blocks_bf16`): the steps of a bf16 layer that
+    computes in float32 (CPUs without bf16 units: the caller's compute dtype float32), h_NH
+    bf16, out_TD float32 (weight_N's): the gather, `linear_blocks` (x widened), h widened,
+    `swiglu`, a rounded to bf16, `linear_blocks` (a widened), `scatter_add_rows` from bf16 rows.
+    Not on AVX512-BF16 CPUs' bf16 forward kernel (`bf16_forward_blocks_fit`), where
+    `linear_blocks` reads x as bf16."""
     E, H, D = w1_EHD.shape
     N, F = token_N.shape[0], H // 2
+    bf16 = x_TD.dtype == torch.bfloat16
     if not (
-        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype == torch.float32 and x_TD.dim() == 2 and x_TD.shape[1] == D
+        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype and x_TD.dtype in (torch.float32, torch.bfloat16)
+        and x_TD.dim() == 2 and x_TD.shape[1] == D
         and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0 and tuple(w2_EDF.shape) == (E, D, F)
         and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
         and _rows_contiguous(x_TD) and token_N.dtype == torch.int64 and token_N.is_contiguous()
         and routed_rows_fit(token_N, weight_N, blocks)
+        and not (bf16 and bf16_forward_blocks_fit(blocks))
     ):
         return None
     lib = library()
     if lib is None:
         return None
-    xg_ND, h_NH = _memory.scratch(x_TD, N, D), x_TD.new_empty(N, H)
-    a_NF, y_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
-    first = _linear_blocks_kernel(xg_ND, w1_EHD, blocks, h_NH)
-    second = _linear_blocks_kernel(a_NF, w2_EDF, blocks, y_ND)
+    if bf16:  # the gathered rows and a in float32 (widened, as linear_blocks reads them), h and y bf16
+        xg_ND, h_NH = _memory.scratch(x_TD, N, D, dtype=torch.float32), x_TD.new_empty(N, H)
+        a_NF, y_ND = _memory.scratch(x_TD, N, F, dtype=torch.float32), _memory.scratch(x_TD, N, D)
+        h32_NH = _memory.scratch(x_TD, N, H, dtype=torch.float32)
+        first = _linear_blocks_kernel(x_TD, w1_EHD, blocks, h_NH)
+        second = _linear_blocks_kernel(x_TD, w2_EDF, blocks, y_ND)
+    else:
+        xg_ND, h_NH = _memory.scratch(x_TD, N, D), x_TD.new_empty(N, H)
+        a_NF, y_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
+        first = _linear_blocks_kernel(xg_ND, w1_EHD, blocks, h_NH)
+        second = _linear_blocks_kernel(a_NF, w2_EDF, blocks, y_ND)
     if first is None or second is None:
         return None
     _check_blocks("routed_swiglu_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
-    out_TD = x_TD.new_zeros(x_TD.shape[0], D)
+    out_TD = weight_N.new_zeros(x_TD.shape[0], D)
     table, address, count = _block_table(blocks)
-    status = lib.moe_ffn_routed_swiglu_blocks_f32(
+    head = (
         x_TD.data_ptr(), x_TD.stride(0), x_TD.shape[0], token_N.data_ptr(), weight_N.data_ptr(),
         w1_EHD.data_ptr(), w1_EHD.stride(0), w1_EHD.stride(1), w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1),
-        E, D, F, address, count, N, xg_ND.data_ptr(), h_NH.data_ptr(), a_NF.data_ptr(), y_ND.data_ptr(),
-        out_TD.data_ptr(), ctypes.cast(first[0], ctypes.c_void_p), ctypes.cast(second[0], ctypes.c_void_p),
-        torch.get_num_threads(), *first[1],
+        E, D, F, address, count, N, xg_ND.data_ptr(), h_NH.data_ptr(),
     )
+    tail = (
+        a_NF.data_ptr(), y_ND.data_ptr(), out_TD.data_ptr(), ctypes.cast(first[0], ctypes.c_void_p),
+        ctypes.cast(second[0], ctypes.c_void_p), torch.get_num_threads(), *first[1],
+    )
+    if bf16:
+        status = lib.moe_ffn_routed_swiglu_blocks_bf16(*head, h32_NH.data_ptr(), *tail)
+    else:
+        status = lib.moe_ffn_routed_swiglu_blocks_f32(*head, *tail)
     if status != 0:
         raise RuntimeError(f"routed_swiglu_blocks: a token index out of range [0, {x_TD.shape[0]}) or a step declined")
     return out_TD, h_NH

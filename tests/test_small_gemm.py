@@ -1507,9 +1507,42 @@ def test_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, kerne
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("T, K", [(1, 2), (3, 2), (5, 8)])
+def test_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, T, K):
+    """The same for bf16 x and weights (a bf16 layer computing in float32): out (float32) and
+    h (bf16) bit for bit the gather, linear_blocks (x widened), swiglu on h widened, a rounded
+    to bf16 by torch, linear_blocks, scatter_add_rows from the bf16 rows; out within bf16's
+    rounding of the float64 loop on the same bf16 values."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(10 * T + K)
+    E, D, F = 9, 40, 24
+    x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F)
+    x, w1, w2 = x.bfloat16(), w1.bfloat16(), w2.bfloat16()
+    got = _small_gemm.routed_swiglu_blocks(x, token, weight, w1, w2, blocks)
+    assert got is not None
+    out, h = got
+    assert out.dtype == torch.float32 and h.dtype == torch.bfloat16
+    h_apart = _small_gemm.linear_blocks(x.index_select(0, token), w1, blocks)
+    a = _small_gemm.swiglu(h_apart.float()).bfloat16()
+    y = _small_gemm.linear_blocks(a, w2, blocks)
+    out_apart = torch.zeros(T + 1, D)
+    assert _small_gemm.scatter_add_rows(out_apart, token, y, weight)
+    assert torch.equal(h.view(torch.int16), h_apart.view(torch.int16)) and torch.equal(out, out_apart)
+    assert (out[T] == 0).all()
+    ref = torch.zeros(T + 1, D, dtype=torch.float64)
+    for n in range(T * K):
+        h_n = w1[expert[n]].double() @ x[token[n]].double()
+        ref[token[n]] += weight[n].double() * (w2[expert[n]].double() @ (torch.nn.functional.silu(h_n[:F]) * h_n[F:]))
+    # h, a and y each rounded to bf16 once (u = 2^-8), relative to the sizes of the terms
+    scale = ref.abs().max()
+    assert ((out.double() - ref).abs() <= 4 * 2.0**-8 * scale).all()
+
+
 def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take(monkeypatch):
     """None, nothing computed, where a step would not run on its kernel or the blocks do not
-    cover the rows in order: float64 combine weights (a router in float64), bf16, a block past
+    cover the rows in order: float64 combine weights (a router in float64), mixed dtypes,
+    float16, bf16 where linear_blocks reads x as bf16 (AVX512-BF16 CPUs), a block past
     the kernel's rows, a gap between blocks or none at row 0, a weight whose rows are not
     contiguous; a ValueError for an expert out of range; a RuntimeError for a token out of range."""
     _needs_kernel()
@@ -1519,7 +1552,12 @@ def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take(monkeypatch
     call = _small_gemm.routed_swiglu_blocks
     assert call(x, token, weight, w1, w2, blocks) is not None
     assert call(x, token, weight.double(), w1, w2, blocks) is None
-    assert call(x.bfloat16(), token, weight, w1.bfloat16(), w2.bfloat16(), blocks) is None
+    assert call(x.bfloat16(), token, weight, w1, w2.bfloat16(), blocks) is None  # mixed dtypes
+    assert call(x.half(), token, weight, w1.half(), w2.half(), blocks) is None
+    with monkeypatch.context() as m:  # bf16 where linear_blocks would read x as bf16 (AVX512-BF16 CPUs)
+        m.setattr(_small_gemm, "bf16_forward_blocks_fit", lambda *args, **kwargs: True)
+        assert call(x.bfloat16(), token, weight, w1.bfloat16(), w2.bfloat16(), blocks) is None
+    assert call(x.bfloat16(), token, weight, w1.bfloat16(), w2.bfloat16(), blocks) is not None
     assert call(x, token, weight, w1, w2, blocks[:-1]) is None  # rows past the blocks
     assert call(x, token, weight, w1, w2, [(e, s + 1, t + 1) for e, s, t in blocks]) is None
     assert call(x, token, weight, w1, w2.transpose(1, 2).contiguous().transpose(1, 2), blocks) is None
@@ -1916,35 +1954,37 @@ def test_layer_matches_float64_on_torch_kernels(torch_kernels_only, torch_choice
 
 
 def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
-    """A bf16 layer's forward at decode sizes (blocks of a few rows): every block's products
-    on the kernel (bf16 weights read as they are), all blocks in one call per projection
-    (linear_blocks), the output within bf16 rounding of the float64 loop. (On CPUs with AMX
-    the AMX kernel would take most of these blocks first: switched off here, see test_amx.py;
-    on CPUs with bf16 units the kernel takes only 1–2-row blocks: widened here.)"""
+    """A bf16 layer's forward at decode sizes (blocks of a few rows): the whole forward in one
+    call of the kernel (routed_swiglu_blocks, bf16 weights read as they are); with that call
+    declining, all blocks in one call per projection (linear_blocks): the same bits; the output
+    within bf16 rounding of the float64 loop. (On CPUs with AMX the AMX kernel would take most
+    of these blocks first: switched off here, see test_amx.py; on CPUs with bf16 units the
+    kernel takes only 1–2-row blocks: widened here.)"""
     _needs_kernel()
     from moe_ffn import _amx, grouped
 
     monkeypatch.setattr(_amx, "available", lambda: False)
     monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
-    ran = []
-    linear_blocks = _small_gemm.linear_blocks
-
-    def counted(*args, **kwargs):
-        y = linear_blocks(*args, **kwargs)
-        ran.append(y is not None)
-        return y
-
-    monkeypatch.setattr(_small_gemm, "linear_blocks", counted)
+    ran = {}
+    _count_calls(monkeypatch, ran, ("linear_blocks", "routed_swiglu_blocks"))
     torch.manual_seed(5)
     D, F, E, K, T = 64, 48, 4, 2, 10
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
     x = torch.randn(T, D).bfloat16()
     with torch.no_grad():
         y = moe(x)
-    assert ran == [True, True]  # one call per projection
+    assert ran == {"routed_swiglu_blocks": 1}  # the whole forward in one call
+    routed = _small_gemm.routed_swiglu_blocks
+    monkeypatch.setattr(_small_gemm, "routed_swiglu_blocks", lambda *args: None)
+    ran.clear()
+    with torch.no_grad():
+        y_apart = moe(x)
+    assert ran == {"linear_blocks decode": 2}  # one call per projection
+    assert torch.equal(y.view(torch.int16), y_apart.view(torch.int16))
     params = [p.detach().double() for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref = moe_forward(x.double(), *params, K)
     assert ((y.double() - ref).abs() <= 3e-2 * ref.abs().max()).all()
+    monkeypatch.setattr(_small_gemm, "routed_swiglu_blocks", routed)
 
 
 @pytest.mark.parametrize("dims", [(40, 24), (200, 104), (1024, 256)], ids=["small", "row-split", "streamed"])
