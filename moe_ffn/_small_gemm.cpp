@@ -356,8 +356,8 @@ inline void widen_row(const uint16_t* w, int64_t n, float* dst) {
 }
 
 // ROWS rows of x against COLS widened rows of w (`strip`, rows kWidenChunk apart) over steps
-// [k0, k0 + n): the sums start from zero (`first`) or from `keep`, and go back into `keep`, or
-// (`last`, the chunk that holds the tail of fewer than 8 steps) across their lanes into y.
+// [k0, k0 + n): the sums start from zero (FIRST) or from `keep`, and go back into `keep`, or
+// (LAST, the chunk that holds the tail of fewer than 8 steps) across their lanes into y.
 template <int ROWS, int COLS, bool FIRST, bool LAST, typename Y>
 void linear_tile_chunk(const float* x, int64_t ldx, const float* strip, int64_t k0, int64_t n, float* keep, Y* y,
                        int64_t ldy, const float* b, __m256i tail_mask) {
@@ -431,8 +431,9 @@ void linear_strip_widened(const Linear<uint16_t, Y>& p, int64_t o, __m256i tail_
   linear_chunk_widened<COLS, false, true>(p, w, k0, I - k0, strip, keep, b, y, tail_mask);
 }
 
-// Rows [first, last) of w: bf16 weights against a few rows of x row after row (above), else in
-// strips of 3 rows.
+// Rows [first, last) of w: bf16 weights against a few rows of x row after row (above; 1–2
+// rows unpacked), against 16 or more in strips of 3 rows widened once (above), else in strips
+// of 3 rows.
 template <typename W, typename Y>
 void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
   const __m256i tail_mask = first_lanes(p.in_features % 8);
