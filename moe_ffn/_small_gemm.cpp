@@ -2213,8 +2213,46 @@ extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64
 // five (each a few tens of µs of a 1–3 ms decode step, most of it spent with the caches
 // emptied by the weights just read). Returns 0, or -1 where a token is outside [0, tokens)
 // (nothing written) or a step declines (then out is untouched, and h, xg, a, y may hold anything).
-using LinearBlocksF32 = int (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
-                                const int64_t*, int64_t, int64_t, int64_t, int, void*, void*, void*);
+namespace {
+
+// X: float (float32 x and weights) or uint16_t (bf16 bits; h32: float32 [rows, 2F] scratch).
+template <typename X>
+int routed_swiglu_blocks(const X* x, int64_t ldx, int64_t tokens, const int64_t* token, const float* weight,
+                         const X* w1, int64_t w1_expert, int64_t ldw1, const X* w2, int64_t w2_expert, int64_t ldw2,
+                         int64_t experts, int64_t dim, int64_t features, const int64_t* blocks, int64_t count,
+                         int64_t rows, float* xg, X* h, float* h32, float* a, X* y, float* out, void* linear1,
+                         void* linear2, int threads, void* parallel, void* thread_num, void* num_threads) {
+  using LinearBlocks = int (*)(const float*, int64_t, const X*, int64_t, int64_t, int64_t, X*, int64_t, const int64_t*,
+                               int64_t, int64_t, int64_t, int, void*, void*, void*);
+  constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
+  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  for (int64_t n = 0; n < rows; ++n) {
+    const X* from = x + token[n] * ldx;
+    for (int64_t i = 0; i < dim; ++i) xg[n * dim + i] = widen(from[i]);
+  }
+  const int64_t width = 2 * features;
+  if (reinterpret_cast<LinearBlocks>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width, dim,
+                                              threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  const float* h_wide = h32;
+  if constexpr (kBf16) {
+    for (int64_t i = 0; i < rows * width; ++i) h32[i] = widen(h[i]);
+  } else {
+    h_wide = h;
+  }
+  if (moe_ffn_swiglu_f32(h_wide, width, a, features, rows, features, kBf16 ? 1 : 0, threads, parallel, thread_num,
+                         num_threads) != 0)
+    return -1;
+  if (reinterpret_cast<LinearBlocks>(linear2)(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count, dim,
+                                              features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, kBf16 ? 1 : 0, dim, weight, rows, dim, threads, parallel,
+                                  thread_num, num_threads);
+}
+
+}  // namespace
 
 extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
                                                 const float* weight, const float* w1, int64_t w1_expert, int64_t ldw1,
@@ -2223,21 +2261,9 @@ extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int
                                                 float* xg, float* h, float* a, float* y, float* out, void* linear1,
                                                 void* linear2, int threads, void* parallel, void* thread_num,
                                                 void* num_threads) {
-  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
-  for (int64_t n = 0; n < rows; ++n)
-    if (token[n] < 0 || token[n] >= tokens) return -1;
-  for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(float) * dim);
-  const int64_t width = 2 * features;
-  if (reinterpret_cast<LinearBlocksF32>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width,
-                                                 dim, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  if (moe_ffn_swiglu_f32(h, width, a, features, rows, features, 0, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  if (reinterpret_cast<LinearBlocksF32>(linear2)(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count,
-                                                 dim, features, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, 0, dim, weight, rows, dim, threads, parallel, thread_num,
-                                  num_threads);
+  return routed_swiglu_blocks(x, ldx, tokens, token, weight, w1, w1_expert, ldw1, w2, w2_expert, ldw2, experts, dim,
+                              features, blocks, count, rows, xg, h, nullptr, a, y, out, linear1, linear2, threads,
+                              parallel, thread_num, num_threads);
 }
 
 // The same for bf16 x, w1, w2 in a layer that computes in float32 (x's rows widened exactly as
@@ -2249,9 +2275,6 @@ extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int
 // computing in float32 (gather, linear_blocks (x widened), h.to(float32), swiglu, .to(bf16),
 // linear_blocks (a widened), scatter_add_rows), the same bits, in one crossing from Python
 // instead of nine.
-using LinearBlocksBf16 = int (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t,
-                                 const int64_t*, int64_t, int64_t, int64_t, int, void*, void*, void*);
-
 extern "C" int moe_ffn_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
                                                  const float* weight, const uint16_t* w1, int64_t w1_expert,
                                                  int64_t ldw1, const uint16_t* w2, int64_t w2_expert, int64_t ldw2,
@@ -2259,25 +2282,9 @@ extern "C" int moe_ffn_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx,
                                                  int64_t count, int64_t rows, float* xg, uint16_t* h, float* h32,
                                                  float* a, uint16_t* y, float* out, void* linear1, void* linear2,
                                                  int threads, void* parallel, void* thread_num, void* num_threads) {
-  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
-  for (int64_t n = 0; n < rows; ++n)
-    if (token[n] < 0 || token[n] >= tokens) return -1;
-  for (int64_t n = 0; n < rows; ++n) {
-    const uint16_t* from = x + token[n] * ldx;
-    for (int64_t i = 0; i < dim; ++i) xg[n * dim + i] = widen(from[i]);
-  }
-  const int64_t width = 2 * features;
-  if (reinterpret_cast<LinearBlocksBf16>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width,
-                                                  dim, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  for (int64_t i = 0; i < rows * width; ++i) h32[i] = widen(h[i]);
-  if (moe_ffn_swiglu_f32(h32, width, a, features, rows, features, 1, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  if (reinterpret_cast<LinearBlocksBf16>(linear2)(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count,
-                                                  dim, features, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  return moe_ffn_scatter_add_rows(out, dim, tokens, token, y, 1, dim, weight, rows, dim, threads, parallel, thread_num,
-                                  num_threads);
+  return routed_swiglu_blocks(x, ldx, tokens, token, weight, w1, w1_expert, ldw1, w2, w2_expert, ldw2, experts, dim,
+                              features, blocks, count, rows, xg, h, h32, a, y, out, linear1, linear2, threads,
+                              parallel, thread_num, num_threads);
 }
 
 // A routing plan's order without capacity: order[i] = the i-th of the n assignments (t·top_k +

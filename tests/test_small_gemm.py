@@ -309,6 +309,16 @@ def _order_test_operands(data: str, rows: int, O: int, I: int):
     return x_wide[:, 1 : I + 1], w
 
 
+def _forward_sums_in_order(data: str, rows: int, O: int, I: int, bias: bool, order_sums) -> None:
+    """linear_into on bf16 x, w (and b) from `_order_test_operands`: bit for bit order_sums's
+    float32 sums rounded to bf16 once by torch."""
+    x, w = _order_test_operands(data, rows, O, I)
+    b = torch.randn(O).bfloat16() if bias else None
+    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_into(out, x, w, b)
+    assert torch.equal(out.view(torch.int16), order_sums(x, w, b).bfloat16().view(torch.int16))
+
+
 def _strip_order_sums(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     """float32 sums of x·wᵀ (+ b) in the order the forward's strips of 3 rows of w form them
     (_small_gemm.cpp, linear_tile): each sum in 8 lanes, lane j adding x[k]·w[k] for k = j mod 8
@@ -372,13 +382,7 @@ def test_bf16_rows_of_w_one_after_another_sum_in_their_order_and_round_once(rows
     """Bitwise: bf16 x, w (and b) against 1–7 rows of x, every sum the float32 sum in
     linear_rows's documented order (emulated in torch), rounded to bf16 once by torch."""
     _needs_kernel()
-    O = 77
-    x, w = _order_test_operands(data, rows, O, I)
-    b = torch.randn(O).bfloat16() if bias else None
-    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
-    assert _small_gemm.linear_into(out, x, w, b)
-    expected = _rows_order_sums(x, w, b).bfloat16()
-    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    _forward_sums_in_order(data, rows, 77, I, bias, _rows_order_sums)
 
 
 @pytest.mark.parametrize("I", [3584, 8192])
@@ -387,10 +391,7 @@ def test_bf16_long_rows_against_one_row_sum_in_their_order(I, data):
     """The same for one row of x against Mixtral's long rows of w (3584: the unpacked path)
     and rows past the reordered copy (8192)."""
     _needs_kernel()
-    x, w = _order_test_operands(data, 1, 40, I)
-    out = torch.empty(1, 40, dtype=torch.bfloat16)
-    assert _small_gemm.linear_into(out, x, w, None)
-    assert torch.equal(out.view(torch.int16), _rows_order_sums(x, w, None).bfloat16().view(torch.int16))
+    _forward_sums_in_order(data, 1, 40, I, False, _rows_order_sums)
 
 
 # 8–15 rows: the strips widen bf16 weights for every tile of 4 rows; from 16 rows (from 28
@@ -406,13 +407,7 @@ def test_bf16_strips_sum_in_the_tiles_order_and_round_once(rows, I, bias, data):
     documented order (emulated in torch), rounded to bf16 once by torch; O = 77 leaves a strip
     of 2 rows of w at the end of a thread's share."""
     _needs_kernel()
-    O = 77
-    x, w = _order_test_operands(data, rows, O, I)
-    b = torch.randn(O).bfloat16() if bias else None
-    out = torch.full((rows, O), float("nan"), dtype=torch.bfloat16)
-    assert _small_gemm.linear_into(out, x, w, b)
-    expected = _strip_order_sums(x, w, b).bfloat16()
-    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    _forward_sums_in_order(data, rows, 77, I, bias, _strip_order_sums)
 
 
 # from 24: w packed first; from 65: the packed product (see test_linear_matches_float64)
