@@ -88,6 +88,14 @@ inline __m256 load8(const uint16_t* w) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+// One weight as a float32: the same, a value at a time.
+inline float widen(float value) { return value; }
+inline float widen(uint16_t bits) {  // a bf16 is the top half of the float32 of the same value
+  const uint32_t wide = uint32_t{bits} << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
 // The last n < 8 weights of a row, zeros past them (nothing read past the row's end).
 inline __m256 load_tail(const float* w, int64_t n, __m256i mask) {
   (void)n;
@@ -317,9 +325,9 @@ void linear_rows_unpacked(const Linear<uint16_t, Y>& p, int64_t first, int64_t l
       __m128 s_hi = _mm_add_ps(_mm256_castps256_ps128(hi[r][0]), _mm256_extractf128_ps(hi[r][0], 1));
       s_lo = _mm_add_ps(s_lo, _mm_add_ps(_mm256_castps256_ps128(lo[r][1]), _mm256_extractf128_ps(lo[r][1], 1)));
       s_hi = _mm_add_ps(s_hi, _mm_add_ps(_mm256_castps256_ps128(hi[r][1]), _mm256_extractf128_ps(hi[r][1], 1)));
-      __m128 s = _mm_add_ps(s_lo, s_hi);  // (horizontal_sum from here)
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      __m128 s = _mm_add_ps(s_lo, s_hi);  // (horizontal_sum's steps from here, on the halves' sums as
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));  // they are: rebuilding its 256-bit input cost 1024×512
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));   // rows 4 % of their GB/s)
       store(p.y + r * p.ldy + o, _mm_cvtss_f32(s) + (p.b ? p.b[o] : 0.0f));
     }
   }
@@ -349,10 +357,7 @@ constexpr int64_t kWidenLongRows = 28;      // rows from which rows longer than 
 inline void widen_row(const uint16_t* w, int64_t n, float* dst) {
   const int64_t whole = n & ~int64_t{7};
   for (int64_t k = 0; k < whole; k += 8) _mm256_storeu_ps(dst + k, load8(w + k));
-  for (int64_t k = whole; k < n; ++k) {
-    const uint32_t bits = uint32_t{w[k]} << 16;
-    std::memcpy(dst + k, &bits, sizeof bits);
-  }
+  for (int64_t k = whole; k < n; ++k) dst[k] = widen(w[k]);
 }
 
 // ROWS rows of x against COLS widened rows of w (`strip`, rows kWidenChunk apart) over steps
@@ -1137,13 +1142,6 @@ inline void transpose8(__m256 r[8]) {
 // (depth·16 floats each): the 16 values of a step adjacent, zeros past n. Read in place, B's
 // rows (or columns) lie a row length apart, a power of two for these shapes, which puts a
 // panel's rows in one L1 set; packed, a panel passes under every tile of A from L1.
-inline float widen(float value) { return value; }
-inline float widen(uint16_t bits) {  // a bf16 is the top half of the float32 of the same value
-  const uint32_t wide = uint32_t{bits} << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
 
 // B: float, or uint16_t (bfloat16 bits, widened exactly as they are loaded). Panels below
 // `pairs` (B's steps rows only) hold each step's 16 values as its 8 even columns, then its 8

@@ -573,17 +573,13 @@ def routed_swiglu_blocks(
     lib = library()
     if lib is None:
         return None
-    if bf16:  # the gathered rows and a in float32 (widened, as linear_blocks reads them), h and y bf16
-        xg_ND, h_NH = _memory.scratch(x_TD, N, D, dtype=torch.float32), x_TD.new_empty(N, H)
-        a_NF, y_ND = _memory.scratch(x_TD, N, F, dtype=torch.float32), _memory.scratch(x_TD, N, D)
-        h32_NH = _memory.scratch(x_TD, N, H, dtype=torch.float32)
-        first = _linear_blocks_kernel(x_TD, w1_EHD, blocks, h_NH)
-        second = _linear_blocks_kernel(x_TD, w2_EDF, blocks, y_ND)
-    else:
-        xg_ND, h_NH = _memory.scratch(x_TD, N, D), x_TD.new_empty(N, H)
-        a_NF, y_ND = _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
-        first = _linear_blocks_kernel(xg_ND, w1_EHD, blocks, h_NH)
-        second = _linear_blocks_kernel(a_NF, w2_EDF, blocks, y_ND)
+    # the gathered rows and a in float32 (bf16: widened, as linear_blocks reads them), h and y in x's dtype
+    xg_ND, h_NH = _memory.scratch(x_TD, N, D, dtype=torch.float32), x_TD.new_empty(N, H)
+    a_NF, y_ND = _memory.scratch(x_TD, N, F, dtype=torch.float32), _memory.scratch(x_TD, N, D)
+    h32_NH = _memory.scratch(x_TD, N, H, dtype=torch.float32) if bf16 else None
+    # (the kernels linear_blocks would choose for these inputs: bf16 ones by x's dtype)
+    first = _linear_blocks_kernel(x_TD if bf16 else xg_ND, w1_EHD, blocks, h_NH)
+    second = _linear_blocks_kernel(x_TD if bf16 else a_NF, w2_EDF, blocks, y_ND)
     if first is None or second is None:
         return None
     _check_blocks("routed_swiglu_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
