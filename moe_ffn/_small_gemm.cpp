@@ -325,9 +325,11 @@ void linear_rows_unpacked(const Linear<uint16_t, Y>& p, int64_t first, int64_t l
       __m128 s_hi = _mm_add_ps(_mm256_castps256_ps128(hi[r][0]), _mm256_extractf128_ps(hi[r][0], 1));
       s_lo = _mm_add_ps(s_lo, _mm_add_ps(_mm256_castps256_ps128(lo[r][1]), _mm256_extractf128_ps(lo[r][1], 1)));
       s_hi = _mm_add_ps(s_hi, _mm_add_ps(_mm256_castps256_ps128(hi[r][1]), _mm256_extractf128_ps(hi[r][1], 1)));
-      __m128 s = _mm_add_ps(s_lo, s_hi);  // (horizontal_sum's steps from here, on the halves' sums as
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));  // they are: rebuilding its 256-bit input cost 1024×512
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));   // rows 4 % of their GB/s)
+      // horizontal_sum's steps on the halves' sums as they are (rebuilding its 256-bit input
+      // for it cost the 1024×512 weight's one-row reads 4 % of their GB/s)
+      __m128 s = _mm_add_ps(s_lo, s_hi);
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
       store(p.y + r * p.ldy + o, _mm_cvtss_f32(s) + (p.b ? p.b[o] : 0.0f));
     }
   }
