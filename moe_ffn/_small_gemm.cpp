@@ -2287,6 +2287,117 @@ extern "C" int moe_ffn_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx,
                               parallel, thread_num, num_threads);
 }
 
+// The backward of the forward above over the same decode-sized blocks, in one call: the calls
+// grouped._ffn_backward makes one by one for one group of routed SwiGLU rows without bias, on
+// the same kernels, buffers and order: the same bits. With g, xg the rows of grad_out and x
+// picked by token (widened), h = gate | up the forward's first projection:
+//   da = g·w2[e] (input_grad_blocks), then the SwiGLU backward (moe_ffn_swiglu_backward_f32):
+//   a = silu(gate)·up, dweight[n] = <a_n, da_n> into grad_weight [rows], dh from da·weight[n];
+//   g scaled by weight[n]; grad_w2[e] = gᵀ·a and grad_w1[e] = dhᵀ·xg (weight_grad_blocks, the
+//   experts with rows overwritten, the others untouched: every block its own expert), dx =
+//   dh·w1[e] (input_grad_blocks) and grad_x[t] = Σ dx over the rows of token t, zeros for a
+//   token without rows (moe_ffn_slot_sum_rows: each token's float32 sum rounded once).
+// X = uint16_t: a bf16 layer computing in float32 (h widened into a float32 copy; a, da·weight,
+// dh, the scaled g and dx rounded to bf16 values as the Python path's ops round them; the
+// weight gradients stored as bf16, each sum rounded once; grad_x's sums rounded once as
+// .to(bfloat16) rounds the float32 accumulator the Python path sums into, since the token-by-
+// token sum from +0 is the same additions in the same order as that scatter-add into zeros).
+// work: float32 scratch of rows·(3·dim + 2·features + 2F) floats, plus rows·2F for bf16.
+// Returns 0, or -1 where a token is outside [0, tokens) (nothing written) or a step fails
+// (memory for its packed operands: then the gradients may hold anything).
+namespace {
+
+template <typename X>
+int routed_swiglu_backward_blocks(const X* grad_out, int64_t ldg, const X* x, int64_t ldx, int64_t tokens,
+                                  const int64_t* token, const float* weight, const X* h, int64_t ldh, const X* w1,
+                                  int64_t w1_expert, int64_t ldw1, const X* w2, int64_t w2_expert, int64_t ldw2,
+                                  int64_t experts, int64_t dim, int64_t features, const int64_t* blocks,
+                                  int64_t count, int64_t rows, X* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+                                  X* grad_w2, int64_t gw2_expert, int64_t ldgw2, float* grad_weight, X* grad_x,
+                                  int64_t ldgx, float* work, int threads, void* parallel, void* thread_num,
+                                  void* num_threads) {
+  constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
+  if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  const Team team = moe_ffn_team::make_team(parallel, thread_num, num_threads);
+  const int64_t width = 2 * features;
+  float *g = work, *xg = g + rows * dim, *dx = xg + rows * dim, *da = dx + rows * dim, *a = da + rows * features;
+  float* dh = a + rows * features;
+  float* h32 = dh + rows * width;  // (bf16 only)
+  auto gather = [&](float* to, const X* from, int64_t ld) {
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t i = 0; i < dim; ++i) to[n * dim + i] = widen(from[token[n] * ld + i]);
+  };
+  auto to_bf16_value = [](float v) { return kBf16 ? widen(round_to_bf16(v)) : v; };
+  gather(g, grad_out, ldg);
+  const float* h_wide = nullptr;
+  int64_t ldh_wide = ldh;
+  if constexpr (kBf16) {
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t i = 0; i < width; ++i) h32[n * width + i] = widen(h[n * ldh + i]);
+    h_wide = h32, ldh_wide = width;
+  } else {
+    h_wide = h;
+  }
+  if (input_grad_blocks(g, dim, w2, experts, w2_expert, ldw2, da, features, blocks, count, dim, features, threads,
+                        team) != 0)
+    return -1;
+  const Swiglu s{h_wide, ldh_wide, da, features, weight, a, features, dh, width, grad_weight, features};
+  if (swiglu(s, rows, kBf16, threads, team) != 0) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t i = 0; i < dim; ++i) g[n * dim + i] = to_bf16_value(g[n * dim + i] * weight[n]);
+  if (weight_grad_blocks(g, dim, a, features, grad_w2, experts, gw2_expert, ldgw2, blocks, count, dim, features,
+                         threads, team) != 0)
+    return -1;
+  gather(xg, x, ldx);
+  if (weight_grad_blocks(dh, width, xg, dim, grad_w1, experts, gw1_expert, ldgw1, blocks, count, width, dim, threads,
+                         team) != 0)
+    return -1;
+  if (input_grad_blocks(dh, width, w1, experts, w1_expert, ldw1, dx, dim, blocks, count, width, dim, threads, team) !=
+      0)
+    return -1;
+  if constexpr (kBf16)
+    for (int64_t i = 0; i < rows * dim; ++i) dx[i] = to_bf16_value(dx[i]);
+  std::vector<int64_t> index;
+  try {  // no exception may leave a C entry point
+    index.resize(static_cast<size_t>(tokens + 1 + rows));
+  } catch (...) {
+    return -1;
+  }
+  return moe_ffn_slot_sum_rows(grad_x, kBf16 ? 1 : 0, ldgx, tokens, token, dx, 0, dim, nullptr, rows, dim,
+                               index.data(), threads, parallel, thread_num, num_threads);
+}
+
+}  // namespace
+
+extern "C" int moe_ffn_routed_swiglu_backward_blocks_f32(
+    const float* grad_out, int64_t ldg, const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const float* h, int64_t ldh, const float* w1, int64_t w1_expert, int64_t ldw1,
+    const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, float* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    float* grad_w2, int64_t gw2_expert, int64_t ldgw2, float* grad_weight, float* grad_x, int64_t ldgx, float* work,
+    int threads, void* parallel, void* thread_num, void* num_threads) {
+  return routed_swiglu_backward_blocks(grad_out, ldg, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
+                                       w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1,
+                                       gw1_expert, ldgw1, grad_w2, gw2_expert, ldgw2, grad_weight, grad_x, ldgx, work,
+                                       threads, parallel, thread_num, num_threads);
+}
+
+// The same for bf16 tensors (their bits) in a layer that computes in float32 (see above).
+extern "C" int moe_ffn_routed_swiglu_backward_blocks_bf16(
+    const uint16_t* grad_out, int64_t ldg, const uint16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const uint16_t* h, int64_t ldh, const uint16_t* w1, int64_t w1_expert, int64_t ldw1,
+    const uint16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, uint16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    uint16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, float* grad_weight, uint16_t* grad_x, int64_t ldgx,
+    float* work, int threads, void* parallel, void* thread_num, void* num_threads) {
+  return routed_swiglu_backward_blocks(grad_out, ldg, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
+                                       w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1,
+                                       gw1_expert, ldgw1, grad_w2, gw2_expert, ldgw2, grad_weight, grad_x, ldgx, work,
+                                       threads, parallel, thread_num, num_threads);
+}
+
 // A routing plan's order without capacity: order[i] = the i-th of the n assignments (t·top_k +
 // k, expert ids[t·top_k + k]) sorted by expert, equal experts in their own order (a counting
 // sort: the order a stable sort gives), counts[e] = the assignments of expert e, token[i] =

@@ -232,6 +232,7 @@ def library() -> Optional[ctypes.CDLL]:
         scatter_add, slot_sum = lib.moe_ffn_scatter_add_rows, lib.moe_ffn_slot_sum_rows
         routed_swiglu, routed_swiglu_bf16 = lib.moe_ffn_routed_swiglu_blocks_f32, lib.moe_ffn_routed_swiglu_blocks_bf16
         plan_rows_fn, topk_rows_fn = lib.moe_ffn_plan_rows, lib.moe_ffn_topk_rows
+        routed_backward = lib.moe_ffn_routed_swiglu_backward_blocks_f32, lib.moe_ffn_routed_swiglu_backward_blocks_bf16
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -259,10 +260,13 @@ def library() -> Optional[ctypes.CDLL]:
     routed_swiglu.argtypes += [ptr] * 7 + team
     routed_swiglu_bf16.argtypes += [ptr] * 8 + team
     plan_rows_fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    for fn in routed_backward:
+        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr,
+                       i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr] + team
     topk_rows_fn.argtypes = [ptr, i64, i64, i64, i64, ptr] + team
     for fn in (
         product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu,
-        routed_swiglu_bf16, plan_rows_fn, topk_rows_fn,
+        routed_swiglu_bf16, plan_rows_fn, topk_rows_fn, *routed_backward,
     ):
         fn.restype = ctypes.c_int
     return lib
@@ -603,6 +607,66 @@ def routed_swiglu_blocks(
     return out_TD, h_NH
 
 
+def routed_swiglu_backward_blocks(
+    grad_x_TD: Tensor, grad_w1_EHD: Tensor, grad_w2_EDF: Tensor, grad_weight_N: Tensor, grad_out_TD: Tensor,
+    x_TD: Tensor, h_NH: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, token_N: Tensor, weight_N: Tensor,
+    blocks: list[tuple[int, int, int]],
+) -> bool:
+    """The backward of `routed_swiglu_blocks`' forward in one call of the kernel
+    (`moe_ffn_routed_swiglu_backward_blocks_f32` / `_bf16`), writing every gradient whole: x's
+    (grad_x_TD [T, D] in x's dtype, each token's rows summed, zeros for a token without rows),
+    the two weights' (each expert with rows overwritten, the others left as they are), the
+    combine weights' (grad_weight_N [N] float32). The calls grouped._ffn_backward makes one by
+    one for one group of such rows (the gathers, `input_grad_blocks`, `swiglu_backward`, the
+    scaling by the combine weights, `weight_grad_blocks` twice, `input_grad_blocks`, the sum
+    over each token's slots), on the kernels those calls choose and in the same order: the same
+    bits. float32 tensors, or bf16 ones of a layer computing in float32 (rounded where the
+    calls round; see the kernel). Each block its own expert (none adds to another's piece).
+    Returns whether it ran; where it did not, the gradients may hold anything (the caller
+    writes them again, whole)."""
+    E, H, D = w1_EHD.shape
+    N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
+    dtype = x_TD.dtype
+    tensors = (grad_x_TD, grad_w1_EHD, grad_w2_EDF, grad_out_TD, x_TD, h_NH, w1_EHD, w2_EDF)
+    if not (
+        dtype in (torch.float32, torch.bfloat16) and all(t.dtype == dtype for t in tensors)
+        and x_TD.dim() == grad_out_TD.dim() == grad_x_TD.dim() == 2 and T > 0
+        and x_TD.shape == grad_out_TD.shape == grad_x_TD.shape == (T, D)
+        and H % 2 == 0 and F > 0 and h_NH.shape == (N, H) and tuple(w2_EDF.shape) == (E, D, F)
+        and grad_w1_EHD.shape == w1_EHD.shape and grad_w2_EDF.shape == w2_EDF.shape
+        and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
+        and token_N.dtype == torch.int64 and token_N.is_contiguous() and routed_rows_fit(token_N, weight_N, blocks)
+        and grad_weight_N.dtype == torch.float32 and grad_weight_N.shape == (N,) and grad_weight_N.is_contiguous()
+        and len({e for e, _, _ in blocks}) == len(blocks)
+    ):
+        return False
+    none = [False] * len(blocks)
+    if not (
+        _input_grad_blocks_take(w2_EDF, blocks) and _input_grad_blocks_take(w1_EHD, blocks)
+        and _weight_grad_blocks_take(grad_w2_EDF, blocks, none) and _weight_grad_blocks_take(grad_w1_EHD, blocks, none)
+        and slot_sums_fit(x_TD, torch.float32)
+    ):
+        return False
+    kernel = _kernel_for((x_TD, grad_out_TD, h_NH), grad_x_TD)
+    if kernel is None:
+        return False
+    lib, openmp = kernel
+    _check_blocks("routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    # g, xg, dx [N, D], da, a [N, F], dh [N, H], and for bf16 h widened [N, H] (see the kernel)
+    work = _memory.scratch(x_TD, N * (3 * D + 2 * F + (2 if dtype == torch.bfloat16 else 1) * H), dtype=torch.float32)
+    table, address, count = _block_table(blocks)
+    fn = lib.moe_ffn_routed_swiglu_backward_blocks_bf16 if dtype == torch.bfloat16 else lib.moe_ffn_routed_swiglu_backward_blocks_f32
+    status = fn(
+        grad_out_TD.data_ptr(), grad_out_TD.stride(0), x_TD.data_ptr(), x_TD.stride(0), T, token_N.data_ptr(),
+        weight_N.data_ptr(), h_NH.data_ptr(), h_NH.stride(0), w1_EHD.data_ptr(), w1_EHD.stride(0), w1_EHD.stride(1),
+        w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address, count, N,
+        grad_w1_EHD.data_ptr(), grad_w1_EHD.stride(0), grad_w1_EHD.stride(1),
+        grad_w2_EDF.data_ptr(), grad_w2_EDF.stride(0), grad_w2_EDF.stride(1), grad_weight_N.data_ptr(),
+        grad_x_TD.data_ptr(), grad_x_TD.stride(0), work.data_ptr(), torch.get_num_threads(), *openmp,
+    )
+    return status == 0
+
+
 def float32_blocks_max_rows(x: Tensor) -> int:
     """The most rows of a float32 block that `linear_blocks` takes here on the AVX-512 kernel
     (where it runs for x; 0 where it does not): a caller whose larger blocks make it decline can
@@ -628,6 +692,18 @@ def _through_experts(name: str, fn, openmp, src: Tensor, w_EOI: Tensor, y: Tenso
     )
 
 
+def _input_grad_blocks_take(w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether `input_grad_blocks` takes this weight and these blocks (given float32 g and out
+    with contiguous rows)."""
+    if w_EOI.dtype == torch.bfloat16:
+        most = min(PACKED_MAX_ROWS, ranges().input_grad, ranges().bf16)
+    elif w_EOI.dtype == torch.float32 and w_EOI.dim() == 3:
+        most = min(packed_max_rows(w_EOI.shape[1], w_EOI.shape[2], True), ranges().input_grad)
+    else:
+        return False
+    return not _torch_on_avx512() and w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and _rows_fit(blocks, most)
+
+
 def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block (e, start, stop) (an input
     gradient through each block's expert, w_EOI [E, O, I]), in one call; returns whether it
@@ -635,16 +711,9 @@ def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[
     they are), AVX2 CPUs (see above), every block of 1 to the rows `input_grad` takes through
     such a weight: each as `input_grad` runs it (one-row blocks, which `input_grad` leaves to
     torch for float32 weights, on the kernel's row split)."""
-    bf16_w = w_EOI.dtype == torch.bfloat16
-    if bf16_w:
-        most = min(PACKED_MAX_ROWS, ranges().input_grad, ranges().bf16)
-    else:
-        most = min(packed_max_rows(w_EOI.shape[1], w_EOI.shape[2], True), ranges().input_grad)
-    if _torch_on_avx512() or not (
-        g.dtype == out.dtype == torch.float32 and w_EOI.dtype in (torch.float32, torch.bfloat16)
-        and w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and _rows_fit(blocks, most)
-    ):
+    if not (g.dtype == out.dtype == torch.float32 and _input_grad_blocks_take(w_EOI, blocks)):
         return False
+    bf16_w = w_EOI.dtype == torch.bfloat16
     kernel = _kernel_for((g,), out)
     if kernel is None:
         return False
@@ -652,6 +721,18 @@ def input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[
     fn = lib.moe_ffn_input_grad_blocks_bf16w if bf16_w else lib.moe_ffn_input_grad_blocks_f32
     _through_experts("input_grad_blocks", fn, openmp, g, w_EOI, out, blocks, transposed=False)
     return True
+
+
+def _weight_grad_blocks_take(out_EMN: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]) -> bool:
+    """Whether `weight_grad_blocks` takes this output, these blocks and flags (given float32 a
+    and b with contiguous rows)."""
+    bf16_out = out_EMN.dtype == torch.bfloat16
+    most = min(WEIGHT_GRAD_MAX_ROWS, ranges().weight_grad, ranges().bf16 if bf16_out else WEIGHT_GRAD_MAX_ROWS)
+    return (
+        not _torch_on_avx512() and out_EMN.dtype in (torch.float32, torch.bfloat16)
+        and not (bf16_out and any(accumulate))
+        and out_EMN.dim() == 3 and out_EMN.stride(2) == 1 and _rows_fit(blocks, most)
+    )
 
 
 def weight_grad_blocks(
@@ -663,14 +744,9 @@ def weight_grad_blocks(
     out, or bf16 out with no block accumulating (each sum rounded once as it is stored), AVX2
     CPUs (see above), every block of 1 to this CPU's weight-gradient rows (bf16: and its bf16
     rows): each as `weight_grad_into` runs it, old contents read only where accumulating."""
-    bf16_out = out_EMN.dtype == torch.bfloat16
-    most = min(WEIGHT_GRAD_MAX_ROWS, ranges().weight_grad, ranges().bf16 if bf16_out else WEIGHT_GRAD_MAX_ROWS)
-    if _torch_on_avx512() or not (
-        a.dtype == b.dtype == torch.float32 and out_EMN.dtype in (torch.float32, torch.bfloat16)
-        and not (bf16_out and any(accumulate))
-        and out_EMN.dim() == 3 and out_EMN.stride(2) == 1 and _rows_fit(blocks, most)
-    ):
+    if not (a.dtype == b.dtype == torch.float32 and _weight_grad_blocks_take(out_EMN, blocks, accumulate)):
         return False
+    bf16_out = out_EMN.dtype == torch.bfloat16
     kernel = _kernel_for((a, b), None)
     if kernel is None:
         return False

@@ -1314,20 +1314,23 @@ def test_layer_runs_its_blocks_on_the_kernel_and_matches_float64(monkeypatch, T,
         _per_block(monkeypatch)
     if path == "decode apart":
         monkeypatch.setattr(_small_gemm, "routed_swiglu_blocks", lambda *args: None)
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", lambda *args: False)
     ran = {}
     _count_calls(monkeypatch, ran, (
         "linear_blocks", "input_grad_blocks", "weight_grad_blocks", "linear_into", "input_grad", "weight_grad_into",
-        "routed_swiglu_blocks",
+        "routed_swiglu_blocks", "routed_swiglu_backward_blocks",
     ))
     _layer_against_float64(T=T)
     single = ran.get("linear_into", 0), ran.get("input_grad", 0), ran.get("weight_grad_into", 0)
     if path == "decode":
-        assert ran.get("routed_swiglu_blocks", 0) == 1
+        assert ran.get("routed_swiglu_blocks", 0) == 1 and ran.get("routed_swiglu_backward_blocks", 0) == 1
         assert ran.get("linear_blocks decode", 0) == 0 and ran.get("linear_blocks", 0) == 0
+        assert ran.get("input_grad_blocks", 0) == ran.get("weight_grad_blocks", 0) == 0  # (all in the one call)
     elif path == "decode apart":
         assert ran.get("linear_blocks decode", 0) == 2 and ran.get("linear_blocks", 0) == 0
+        assert ran.get("input_grad_blocks", 0) == ran.get("weight_grad_blocks", 0) == 2
     elif path == "blocks":
-        assert ran.get("routed_swiglu_blocks", 0) == 0
+        assert ran.get("routed_swiglu_blocks", 0) == 0 and ran.get("routed_swiglu_backward_blocks", 0) == 0
         assert ran.get("linear_blocks decode", 0) == 0 and ran.get("linear_blocks", 0) >= 2
         assert ran.get("input_grad_blocks", 0) >= 2 and ran.get("weight_grad_blocks", 0) >= 2 and single == (0, 0, 0)
     else:
@@ -1532,6 +1535,89 @@ def test_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, 
     # h, a and y each rounded to bf16 once (u = 2^-8), relative to the sizes of the terms
     scale = ref.abs().max()
     assert ((out.double() - ref).abs() <= 4 * 2.0**-8 * scale).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("E, K, T", [(8, 2, 1), (8, 2, 3), (16, 4, 5)])
+def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, dtype, E, K, T):
+    """A routed layer's decode-sized backward in one call of the kernel
+    (routed_swiglu_backward_blocks; bf16: a bf16 layer computing in float32): the output and
+    the gradients of x, the router and both expert weights bit for bit what
+    grouped._ffn_backward's loop makes with that call switched off; the call ran; the
+    gradients within the float64 per-token loop's bound (bf16: a few roundings to bf16 of the
+    largest terms)."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    from moe_ffn import _amx, grouped
+
+    monkeypatch.setattr(_amx, "available", lambda: False)
+    monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
+    torch.manual_seed(10 * T + K)
+    D, F = 64, 48
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
+    x, g = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
+    real, ran = _small_gemm.routed_swiglu_backward_blocks, []
+
+    def recorded(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    def step(one_call: bool):
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return [y, *torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])]
+
+    together, apart = step(True), step(False)
+    assert ran == [True]
+    names = ["y", "x", *(name for name, _ in moe.named_parameters())]
+    for name, a, b in zip(names, together, apart):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b), name
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref = moe_forward(*leaves, K)
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    got = dict(zip(names, together))
+    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
+        scale = max(1.0, float(b.abs().max()))
+        bound = 2e-5 * scale if dtype == torch.float32 else 6 * 2.0**-8 * scale
+        assert float((got[name].double() - b).abs().max()) <= bound, name
+
+
+def test_routed_swiglu_backward_blocks_declines_what_the_calls_would_not_take(monkeypatch):
+    """False, where one of the calls would not run on its kernel or a block would add to
+    another expert's piece: mixed dtypes, float16, float64 combine weights, an expert in two
+    blocks, blocks not covering the rows, a block past the weight gradients' rows, the
+    AVX-512 CPUs' kernels (whose input gradients the loop takes first), a token out of range;
+    a ValueError for an expert out of range."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(6)
+    E, D, F, T, K = 5, 40, 24, 3, 2
+    x, w1, w2, token, _, weight, blocks = routed_rows(T, K, E, D, F)
+    h = torch.randn(token.shape[0], 2 * F)
+    g = torch.randn(T + 1, D)
+
+    def call(g, x, h, w1, w2, token, weight, blocks):
+        grads = torch.empty_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.empty(token.shape[0])
+        return _small_gemm.routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks)
+
+    assert call(g, x, h, w1, w2, token, weight, blocks)
+    assert call(g.bfloat16(), x.bfloat16(), h.bfloat16(), w1.bfloat16(), w2.bfloat16(), token, weight, blocks)
+    assert not call(g, x, h, w1, w2.bfloat16(), token, weight, blocks)  # mixed dtypes
+    assert not call(g.half(), x.half(), h.half(), w1.half(), w2.half(), token, weight, blocks)
+    assert not call(g, x, h, w1, w2, token, weight.double(), blocks)
+    if len(blocks) > 1:
+        assert not call(g, x, h, w1, w2, token, weight, [(blocks[0][0], s, t) for _, s, t in blocks])
+    assert not call(g, x, h, w1, w2, token, weight, blocks[:-1])
+    many = _small_gemm.WEIGHT_GRAD_MAX_ROWS + 1
+    assert not call(g, x, torch.randn(many, 2 * F), w1, w2, torch.zeros(many, dtype=torch.int64), torch.rand(many),
+                    [(0, 0, many)])
+    assert not call(g, x, h, w1, w2, torch.full_like(token, T + 1), weight, blocks)
+    with monkeypatch.context() as m:
+        m.setattr(_small_gemm, "_torch_on_avx512", lambda: True)
+        assert not call(g, x, h, w1, w2, token, weight, blocks)
+    with pytest.raises(ValueError, match="do not fit"):
+        call(g, x, h, w1, w2, token, weight, [(E + i, s, t) for i, (_, s, t) in enumerate(blocks)])
 
 
 def test_routed_swiglu_blocks_declines_what_the_calls_would_not_take(monkeypatch):
@@ -2019,6 +2105,8 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
         _avx2_kernels(monkeypatch)
         blocks = _small_gemm.weight_grad_blocks
         monkeypatch.setattr(_small_gemm, "weight_grad_blocks", lambda out, a, b, bl, acc: ran.extend([blocks(out, a, b, bl, acc)] * len(bl)) or ran[-1])
+        one_call = _small_gemm.routed_swiglu_backward_blocks  # (decode-sized steps: both projections' blocks)
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", lambda *a: ran.extend([one_call(*a)] * 2 * len(a[-1])) or ran[-1])
     moe = MoE(dim=dims[0], hidden_dim=dims[1], num_experts=4, top_k=2)
     try:
         for step in range(3):  # other tokens each step: stale gradients would not pass
