@@ -652,8 +652,10 @@ def routed_swiglu_backward_blocks(
         return False
     lib, openmp = kernel
     _check_blocks("routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
-    # g, xg, dx [N, D], da, a [N, F], dh [N, H], and for bf16 h widened [N, H] (see the kernel)
-    work = _memory.scratch(x_TD, N * (3 * D + 2 * F + (2 if dtype == torch.bfloat16 else 1) * H), dtype=torch.float32)
+    # g, its scaled rows (then xg), dx [N, D], da, a [N, F], dh [N, H], two [N, max(D, F)], and
+    # for bf16 h widened [N, H] (see the kernel)
+    floats = 3 * D + 2 * F + (2 if dtype == torch.bfloat16 else 1) * H + 2 * max(D, F)
+    work = _memory.scratch(x_TD, N * floats, dtype=torch.float32)
     table, address, count = _block_table(blocks)
     fn = lib.moe_ffn_routed_swiglu_backward_blocks_bf16 if dtype == torch.bfloat16 else lib.moe_ffn_routed_swiglu_backward_blocks_f32
     status = fn(

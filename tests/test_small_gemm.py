@@ -1538,14 +1538,18 @@ def test_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("E, K, T", [(8, 2, 1), (8, 2, 3), (16, 4, 5)])
-def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, dtype, E, K, T):
+@pytest.mark.parametrize("D, F, E, K, T", [
+    (64, 48, 8, 2, 1), (64, 64, 8, 2, 3), (64, 64, 16, 4, 5), (64, 48, 6, 2, 9), (1024, 512, 4, 2, 1), (1024, 512, 3, 2, 2),
+], ids=["one-row", "some-rows", "1-3-rows", "more-rows", "streamed", "streamed-2-rows"])
+def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, dtype, D, F, E, K, T):
     """A routed layer's decode-sized backward in one call of the kernel
     (routed_swiglu_backward_blocks; bf16: a bf16 layer computing in float32): the output and
     the gradients of x, the router and both expert weights bit for bit what
     grouped._ffn_backward's loop makes with that call switched off; the call ran; the
     gradients within the float64 per-token loop's bound (bf16: a few roundings to bf16 of the
-    largest terms)."""
+    largest terms). Blocks of 1–2 rows through a weight of a multiple of 32 columns take the
+    one pass over its rows (gradient_pass: F = 48 leaves the down projection to the calls; 3+
+    rows, the calls), streamed where the gradient is large (1024 × 512)."""
     _needs_kernel()
     _avx2_kernels(monkeypatch)
     from moe_ffn import _amx, grouped
@@ -1553,7 +1557,6 @@ def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch
     monkeypatch.setattr(_amx, "available", lambda: False)
     monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
     torch.manual_seed(10 * T + K)
-    D, F = 64, 48
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
     x, g = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
     real, ran = _small_gemm.routed_swiglu_backward_blocks, []
