@@ -2421,16 +2421,18 @@ void gradient_pass(const X* w, int64_t w_expert, int64_t ldw, const float* g, in
     }
 }
 
-// The backward of the forward above over the same decode-sized blocks, in one call: the calls
-// grouped._ffn_backward makes one by one for one group of routed SwiGLU rows without bias, on
-// the same kernels, buffers and order: the same bits. With g, xg the rows of grad_out and x
-// picked by token (widened), h = gate | up the forward's first projection:
-//   da = g·w2[e] (input_grad_blocks), then the SwiGLU backward (moe_ffn_swiglu_backward_f32):
-//   a = silu(gate)·up, dweight[n] = <a_n, da_n> into grad_weight [rows], dh from da·weight[n];
-//   g scaled by weight[n]; grad_w2[e] = gᵀ·a and grad_w1[e] = dhᵀ·xg (weight_grad_blocks, the
-//   experts with rows overwritten, the others untouched: every block its own expert), dx =
-//   dh·w1[e] (input_grad_blocks) and grad_x[t] = Σ dx over the rows of token t, zeros for a
-//   token without rows (moe_ffn_slot_sum_rows: each token's float32 sum rounded once).
+// The backward of the forward above over the same decode-sized blocks, in one call: what the
+// calls grouped._ffn_backward makes one by one for one group of routed SwiGLU rows without bias
+// compute, each sum as the kernel that call chooses forms it: the same bits. With g, xg the
+// rows of grad_out and x picked by token (widened), h = gate | up the forward's first projection:
+//   a = silu(gate)·up (moe_ffn_swiglu_f32's a), g scaled by weight[n] into gs; da = g·w2[e]
+//   (input_grad_blocks' sums) and grad_w2[e] = gsᵀ·a (weight_grad_blocks', the experts with
+//   rows overwritten, the others untouched: every block its own expert), blocks of 1–2 rows in
+//   one pass over w2's rows (gradient_pass), the others by those calls; the SwiGLU backward
+//   (moe_ffn_swiglu_backward_f32): dweight[n] = <a_n, da_n> into grad_weight [rows], dh from
+//   da·weight[n]; grad_w1[e] = dhᵀ·xg and dx = dh·w1[e] the same way; grad_x[t] = Σ dx over the
+//   rows of token t, zeros for a token without rows (moe_ffn_slot_sum_rows: each token's
+//   float32 sum rounded once).
 // X = uint16_t: a bf16 layer computing in float32 (h widened into a float32 copy; a, da·weight,
 // dh, the scaled g and dx rounded to bf16 values as the Python path's ops round them; the
 // weight gradients stored as bf16, each sum rounded once; grad_x's sums rounded once as

@@ -616,12 +616,14 @@ def routed_swiglu_backward_blocks(
     (`moe_ffn_routed_swiglu_backward_blocks_f32` / `_bf16`), writing every gradient whole: x's
     (grad_x_TD [T, D] in x's dtype, each token's rows summed, zeros for a token without rows),
     the two weights' (each expert with rows overwritten, the others left as they are), the
-    combine weights' (grad_weight_N [N] float32). The calls grouped._ffn_backward makes one by
-    one for one group of such rows (the gathers, `input_grad_blocks`, `swiglu_backward`, the
-    scaling by the combine weights, `weight_grad_blocks` twice, `input_grad_blocks`, the sum
-    over each token's slots), on the kernels those calls choose and in the same order: the same
-    bits. float32 tensors, or bf16 ones of a layer computing in float32 (rounded where the
-    calls round; see the kernel). Each block its own expert (none adds to another's piece).
+    combine weights' (grad_weight_N [N] float32). What the calls grouped._ffn_backward makes
+    one by one for one group of such rows compute (the gathers, `input_grad_blocks`,
+    `swiglu_backward`, the scaling by the combine weights, `weight_grad_blocks` twice,
+    `input_grad_blocks`, the sum over each token's slots), each sum as the kernel that call
+    chooses forms it: the same bits; blocks of 1–2 rows read each weight once for both of its
+    gradients (the kernel's gradient_pass). float32 tensors, or bf16 ones of a layer computing
+    in float32 (rounded where the calls round; see the kernel). Each block its own expert
+    (none adds to another's piece).
     Returns whether it ran; where it did not, the gradients may hold anything (the caller
     writes them again, whole)."""
     E, H, D = w1_EHD.shape
@@ -654,11 +656,11 @@ def routed_swiglu_backward_blocks(
     _check_blocks("routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
     # g, its scaled rows (then xg), dx [N, D], da, a [N, F], dh [N, H], two [N, max(D, F)], and
     # for bf16 h widened [N, H] (see the kernel)
-    floats = 3 * D + 2 * F + (2 if dtype == torch.bfloat16 else 1) * H + 2 * max(D, F)
+    bf16 = dtype == torch.bfloat16
+    floats = 3 * D + 2 * F + (2 if bf16 else 1) * H + 2 * max(D, F)
     work = _memory.scratch(x_TD, N * floats, dtype=torch.float32)
     table, address, count = _block_table(blocks)
-    fn = lib.moe_ffn_routed_swiglu_backward_blocks_bf16 if dtype == torch.bfloat16 else lib.moe_ffn_routed_swiglu_backward_blocks_f32
-    status = fn(
+    status = (lib.moe_ffn_routed_swiglu_backward_blocks_bf16 if bf16 else lib.moe_ffn_routed_swiglu_backward_blocks_f32)(
         grad_out_TD.data_ptr(), grad_out_TD.stride(0), x_TD.data_ptr(), x_TD.stride(0), T, token_N.data_ptr(),
         weight_N.data_ptr(), h_NH.data_ptr(), h_NH.stride(0), w1_EHD.data_ptr(), w1_EHD.stride(0), w1_EHD.stride(1),
         w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address, count, N,
