@@ -2372,7 +2372,7 @@ void gradient_pass(const X* w, int64_t w_expert, int64_t ldw, const float* g, in
   constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
   const int64_t n = in_features;
   auto taken = [&](int64_t i) { return gradient_pass_takes(blocks[4 * i + 2] - blocks[4 * i + 1], n); };
-  if (kBf16) {
+  if constexpr (kBf16) {
     for (int64_t i = 0; i < count; ++i) {
       if (!taken(i)) continue;
       for (int64_t r = blocks[4 * i + 1]; r < blocks[4 * i + 2]; ++r)
@@ -2413,12 +2413,11 @@ void gradient_pass(const X* w, int64_t w_expert, int64_t ldw, const float* g, in
       }
     }
   });
-  for (int64_t part = 1; part < kSplitParts; ++part)  // (kSplitParts 2: spare holds part 1's sums)
-    for (int64_t i = 0; i < count; ++i) {
-      if (!taken(i)) continue;
-      for (int64_t r = blocks[4 * i + 1]; r < blocks[4 * i + 2]; ++r)
-        for (int64_t c = 0; c < n; ++c) y[r * ldy + c] += spare[r * n + c];
-    }
+  for (int64_t i = 0; i < count; ++i) {  // part 0's sums + part 1's, as input_grad_split_rows adds them
+    if (!taken(i)) continue;
+    for (int64_t r = blocks[4 * i + 1]; r < blocks[4 * i + 2]; ++r)
+      for (int64_t c = 0; c < n; ++c) y[r * ldy + c] += spare[r * n + c];
+  }
 }
 
 // The backward of the forward above over the same decode-sized blocks, in one call: what the
