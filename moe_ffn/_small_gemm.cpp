@@ -2215,6 +2215,16 @@ extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64
 // (nothing written) or a step declines (then out is untouched, and h, xg, a, y may hold anything).
 namespace {
 
+// rows × cols values widened exactly into float32 `to` (rows cols apart): row n of `from` (rows
+// ld apart) is its row pick[n] (null: row n).
+template <typename X>
+void widen_rows(float* to, const X* from, int64_t ld, const int64_t* pick, int64_t rows, int64_t cols) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const X* row = from + (pick ? pick[n] : n) * ld;
+    for (int64_t i = 0; i < cols; ++i) to[n * cols + i] = widen(row[i]);
+  }
+}
+
 // X: float (float32 x and weights) or uint16_t (bf16 bits; h32: float32 [rows, 2F] scratch).
 template <typename X>
 int routed_swiglu_blocks(const X* x, int64_t ldx, int64_t tokens, const int64_t* token, const float* weight,
@@ -2228,17 +2238,14 @@ int routed_swiglu_blocks(const X* x, int64_t ldx, int64_t tokens, const int64_t*
   if (rows < 1 || dim < 1 || features < 1 || tokens < 1 || threads < 1 || !linear1 || !linear2) return -1;
   for (int64_t n = 0; n < rows; ++n)
     if (token[n] < 0 || token[n] >= tokens) return -1;
-  for (int64_t n = 0; n < rows; ++n) {
-    const X* from = x + token[n] * ldx;
-    for (int64_t i = 0; i < dim; ++i) xg[n * dim + i] = widen(from[i]);
-  }
+  widen_rows(xg, x, ldx, token, rows, dim);
   const int64_t width = 2 * features;
   if (reinterpret_cast<LinearBlocks>(linear1)(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width, dim,
                                               threads, parallel, thread_num, num_threads) != 0)
     return -1;
   const float* h_wide = h32;
   if constexpr (kBf16) {
-    for (int64_t i = 0; i < rows * width; ++i) h32[i] = widen(h[i]);
+    widen_rows(h32, h, width, nullptr, rows, width);
   } else {
     h_wide = h;
   }
@@ -2403,13 +2410,13 @@ void gradient_pass(const X* w, int64_t w_expert, int64_t ldw, const float* g, in
         const X* w_e = w + e * w_expert;
         X* G_e = G + e * G_expert;
         const float *g_b = g + start * ldg, *a_b = a + start * lda, *b_b = b_read + start * ldb_read;
-        if (rows == 1) {
-          if (stream) gradient_rows<1, true>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
-          else gradient_rows<1, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
-        } else {
-          if (stream) gradient_rows<2, true>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
-          else gradient_rows<2, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
-        }
+        auto run = [&](auto rows_c) {  // (ROWS 1 or 2, streamed or stored)
+          constexpr int kRows = decltype(rows_c)::value;
+          if (stream) gradient_rows<kRows, true>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
+          else gradient_rows<kRows, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
+        };
+        if (rows == 1) run(std::integral_constant<int, 1>{});
+        else run(std::integral_constant<int, 2>{});
       }
     }
   });
@@ -2463,10 +2470,6 @@ int routed_swiglu_backward_blocks(const X* grad_out, int64_t ldg, const X* x, in
   float *dh = act + rows * features, *pairs = dh + rows * width, *spare = pairs + rows * wide;
   float* h32 = spare + rows * wide;  // (bf16 only)
   float* xg = gs;  // (gathered once gs is used)
-  auto gather = [&](float* to, const X* from, int64_t ld) {
-    for (int64_t n = 0; n < rows; ++n)
-      for (int64_t i = 0; i < dim; ++i) to[n * dim + i] = widen(from[token[n] * ld + i]);
-  };
   auto to_bf16_value = [](float v) { return kBf16 ? widen(round_to_bf16(v)) : v; };
   // the blocks gradient_pass leaves for a weight of `columns` columns (table of its own)
   auto rest = [&](int64_t columns) {
@@ -2483,12 +2486,11 @@ int routed_swiglu_backward_blocks(const X* grad_out, int64_t ldg, const X* x, in
     return -1;
   }
   const int64_t count2 = static_cast<int64_t>(rest2.size()) / 4, count1 = static_cast<int64_t>(rest1.size()) / 4;
-  gather(g, grad_out, ldg);
+  widen_rows(g, grad_out, ldg, token, rows, dim);
   const float* h_wide = nullptr;
   int64_t ldh_wide = ldh;
   if constexpr (kBf16) {
-    for (int64_t n = 0; n < rows; ++n)
-      for (int64_t i = 0; i < width; ++i) h32[n * width + i] = widen(h[n * ldh + i]);
+    widen_rows(h32, h, ldh, nullptr, rows, width);
     h_wide = h32, ldh_wide = width;
   } else {
     h_wide = h;
@@ -2510,7 +2512,7 @@ int routed_swiglu_backward_blocks(const X* grad_out, int64_t ldg, const X* x, in
   const Swiglu backward{h_wide, ldh_wide, da, features, weight, nullptr, 0, dh, width, grad_weight, features};
   if (swiglu(backward, rows, kBf16, threads, team) != 0) return -1;
   // first projection: dx = dh·w1[e] and grad_w1[e] = dhᵀ·xg
-  gather(xg, x, ldx);
+  widen_rows(xg, x, ldx, token, rows, dim);
   gradient_pass(w1, w1_expert, ldw1, dh, width, dx, dim, dh, width, xg, dim, grad_w1, gw1_expert, ldgw1, blocks, count,
                 width, dim, pairs, spare, threads, team);
   if (count1 > 0 &&

@@ -1403,17 +1403,14 @@ def _ffn_backward(
         routed and need_x and need_w and need_weight and not with_bias and len(groups) == 1 and used == N
         and gated and canonical_activation(activation) == "silu"
     )
+    one_call_fn = None
     if one_call and by_token and cdt == dtype == torch.bfloat16:
         # One group of bf16 rows on the AMX kernels (a decode step's backward): the loop
         # below's calls in one (`_amx.routed_swiglu_backward_blocks`, the same bits). 2-core
         # Xeon, without → with, interleaved in one process (41 rounds, two runs): forward+backward
         # T = 1 Mixtral 1.05 / 1.06×, fine-grained 1.08 / 1.08×; T = 16 1.02×; T = 256 level.
-        grad_x = _memory.empty(x, x.shape[0], D)
-        if _amx.routed_swiglu_backward_blocks(
-            grad_x, grad_w1, grad_w2, grad_weight_N, grad_out, x, h_NH, w1_EHD, w2_EDF, token_N, weight_N, blocks
-        ):
-            return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N
-    if one_call and cdt == torch.float32 and (by_token or dtype == torch.bfloat16) and _small_gemm.blocks_fit(blocks):
+        one_call_fn = _amx.routed_swiglu_backward_blocks
+    elif one_call and cdt == torch.float32 and (by_token or dtype == torch.bfloat16) and _small_gemm.blocks_fit(blocks):
         # Decode-sized float32 blocks on moe_ffn's AVX2 kernel, or bf16 ones of a layer computing
         # in float32 (CPUs without bf16 units): the loop below's calls in one, as the forward's
         # (`_small_gemm.routed_swiglu_backward_blocks`, the same bits; a bf16 grad_x summed
@@ -1422,10 +1419,10 @@ def _ffn_backward(
         # process (Zen 1 EPYC, medians of pair ratios; 41 rounds at T = 1, 21 at T = 16):
         # T = 1 fine-grained bf16 9.85 → 8.83 ms (1.12×), Mixtral bf16 1.09×, fp32 1.09 / 1.08×;
         # T = 16 bf16 1.03 / 1.03×, fp32 1.00 / 1.05×.
+        one_call_fn = _small_gemm.routed_swiglu_backward_blocks
+    if one_call_fn is not None:
         grad_x = _memory.empty(x, x.shape[0], D)
-        if _small_gemm.routed_swiglu_backward_blocks(
-            grad_x, grad_w1, grad_w2, grad_weight_N, grad_out, x, h_NH, w1_EHD, w2_EDF, token_N, weight_N, blocks
-        ):
+        if one_call_fn(grad_x, grad_w1, grad_w2, grad_weight_N, grad_out, x, h_NH, w1_EHD, w2_EDF, token_N, weight_N, blocks):
             return grad_x, grad_w1, grad_w2, grad_b1, grad_b2, grad_weight_N
     if not need_x:
         grad_x = x.new_empty(0, D)
