@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from moe_ffn import _memory
 from moe_ffn._checks import positive_int
 from moe_ffn.activations import canonical_activation, get_activation
 from moe_ffn.dispatch import DispatchPlan
@@ -79,6 +80,18 @@ class _ExpertBank(nn.Module):
             activation=self.activation, gated=isinstance(self, GatedExperts),
         )
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply (`.to()`, `.float()`, `.cpu()`, ...), then each weight it moved to new
+        CPU memory is copied once more, onto memory asked for huge pages (`_memory.on_huge_pages`:
+        where they pay; views, shared and pinned memory are left as they are). At construction
+        the weights are made on such memory (`_memory.empty_on_huge_pages`)."""
+        before = {name: p.data_ptr() for name, p in self.named_parameters(recurse=False)}
+        super()._apply(fn, recurse)
+        for name, p in self.named_parameters(recurse=False):
+            if p.data_ptr() != before.get(name):
+                p.data = _memory.on_huge_pages(p.data)
+        return self
+
     def reset_parameters(self) -> None:
         """Each expert's projection is initialised as nn.Linear initialises its own:
         weight and bias U(−1/√fan_in, 1/√fan_in), fan_in = in-features (D for the up/gate
@@ -116,8 +129,8 @@ class GatedExperts(_ExpertBank):
         self._setup(num_experts, dim, hidden_dim, activation, None)
         E, D, F = self.num_experts, self.dim, self.hidden_dim
         kw = {"device": device, "dtype": dtype}
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F, D, **kw))
-        self.down_proj = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.gate_up_proj = nn.Parameter(_memory.empty_on_huge_pages(E, 2 * F, D, **kw))
+        self.down_proj = nn.Parameter(_memory.empty_on_huge_pages(E, D, F, **kw))
         self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * F, **kw)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
         self.reset_parameters()
@@ -160,8 +173,8 @@ class MLPExperts(_ExpertBank):
         self._setup(num_experts, dim, hidden_dim, activation, ("relu", "gelu", "gelu_tanh", "silu"))
         E, D, F = self.num_experts, self.dim, self.hidden_dim
         kw = {"device": device, "dtype": dtype}
-        self.up_proj = nn.Parameter(torch.empty(E, F, D, **kw))
-        self.down_proj = nn.Parameter(torch.empty(E, D, F, **kw))
+        self.up_proj = nn.Parameter(_memory.empty_on_huge_pages(E, F, D, **kw))
+        self.down_proj = nn.Parameter(_memory.empty_on_huge_pages(E, D, F, **kw))
         self.up_bias = nn.Parameter(torch.empty(E, F, **kw)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(E, D, **kw)) if bias else None
         self.reset_parameters()

@@ -438,3 +438,113 @@ def test_environment_switch_turns_scratch_memory_off():
     env = dict(__import__("os").environ, MOE_FFN_KEEP_SCRATCH_MEMORY="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0"
+
+
+# --- expert weights on huge pages -------------------------------------------------------------
+
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+    reason="needs Linux with transparent huge pages in madvise or always mode",
+)
+
+
+def _interior(t: torch.Tensor) -> int:
+    """An address inside t's memory at least a huge page from its ends."""
+    return t.data_ptr() + t.numel() * t.element_size() // 2
+
+
+def _bank_weights(bank) -> list[torch.Tensor]:
+    return [w for w, _ in bank._projections()]
+
+
+@needs_thp
+@pytest.mark.parametrize("make", ["gated", "classic", "dense"])
+def test_expert_weights_are_made_on_huge_pages(monkeypatch, make):
+    from moe_ffn import GatedExperts, MLPExperts, SwiGLU
+
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
+    bank = {  # weights of 4-23 MiB
+        "gated": lambda: GatedExperts(num_experts=8, dim=256, hidden_dim=512),
+        "classic": lambda: MLPExperts(num_experts=4, dim=512, hidden_dim=1024),
+        "dense": lambda: SwiGLU(dim=1024),
+    }[make]()
+    for w in _bank_weights(bank):
+        assert isinstance(w, torch.nn.Parameter) and w.requires_grad and w.is_contiguous()
+        assert _huge_kib_at(_interior(w)) >= 2048, w.shape
+        bound = 1.0 / w.shape[-1] ** 0.5  # initialised as before (nn.Linear's bound), not left empty
+        assert 0 < w.abs().max() <= bound and w.std() > bound / 3
+
+
+@needs_thp
+def test_expert_weights_moved_by_to_land_on_huge_pages(monkeypatch):
+    from moe_ffn import MoE
+
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: False)  # made on 4 KiB pages
+    moe = MoE(dim=512, hidden_dim=512, num_experts=8, top_k=2)  # (bf16 weights of 8 and 4 MiB)
+    params = _bank_weights(moe.experts)
+    if _thp_mode() == "madvise":
+        assert all(_huge_kib_at(_interior(w)) == 0 for w in params)
+    expected = [w.detach().to(torch.bfloat16) for w in params]
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
+    moe.to(torch.bfloat16)
+    for w, want, before in zip(_bank_weights(moe.experts), expected, params):
+        assert w is before and w.dtype == torch.bfloat16 and w.requires_grad  # the same Parameter
+        assert torch.equal(w, want)
+        assert _huge_kib_at(_interior(w)) >= 2048
+    moved = [w.data_ptr() for w in params]
+    moe.to(torch.bfloat16)  # nothing moved: nothing copied
+    assert [w.data_ptr() for w in params] == moved
+
+
+@needs_linux
+def test_weights_in_shared_memory_stay_there(monkeypatch):
+    from moe_ffn import GatedExperts
+
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
+    bank = GatedExperts(num_experts=8, dim=256, hidden_dim=512)
+    bank.share_memory()
+    assert all(w.is_shared() for w in _bank_weights(bank))
+
+
+def test_on_huge_pages_copies_only_whole_plain_cpu_tensors_where_they_pay(monkeypatch):
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
+    big = torch.randn(2, 1 << 20)  # 8 MiB
+    if sys.platform.startswith("linux"):
+        copy = _memory.on_huge_pages(big)
+        assert copy is not big and copy.data_ptr() != big.data_ptr() and torch.equal(copy, big)
+        assert copy.dtype == big.dtype and copy.shape == big.shape and copy.is_contiguous()
+    leaves = [
+        torch.randn(1000),  # small
+        torch.randn(3, 1 << 20)[1:],  # a view into a larger storage
+        torch.randn(1 << 20, 2).t(),  # not contiguous
+        torch.randn(2, 1 << 20).share_memory_(),  # shared memory
+    ]
+    for t in leaves:
+        assert _memory.on_huge_pages(t) is t
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: False)
+    assert _memory.on_huge_pages(big) is big
+
+
+@needs_linux
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_on_huge_page_weights_computes_the_same_bits(monkeypatch, dtype):
+    """Where the weights lie (our page-aligned mapping or torch's allocation) changes no path
+    or sum: the output and every gradient are the same bits."""
+    from moe_ffn import MoE
+
+    layers = []
+    for pay in (False, True):
+        monkeypatch.setattr(_memory, "huge_pages_pay", lambda pay=pay: pay)
+        torch.manual_seed(0)
+        layers.append(MoE(dim=256, hidden_dim=512, num_experts=8, top_k=2).to(dtype))
+    monkeypatch.undo()
+    x = torch.randn(24, 256, dtype=dtype)
+    g = torch.randn(24, 256, dtype=dtype)
+    results = []
+    for layer in layers:
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(g)
+        results.append([xi.grad] + [p.grad for p in layer.parameters()])
+        results[-1].append(layer(x))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
