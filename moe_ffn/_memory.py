@@ -149,25 +149,28 @@ def advise_huge_pages(t: Tensor) -> Tensor:
 def on_huge_pages(t: Tensor) -> Tensor:
     """A copy of CPU tensor `t` on a fresh mapping of its own asked for huge pages, or `t`
     itself where that does not apply: not on CPU or Linux, under 4 MiB, huge pages not paying
-    here (`huge_pages_pay`), or `t` not the whole of its own plain storage (a view, shared
-    memory, pinned memory: those keep what their memory is for).
+    here (`huge_pages_pay`), or `t` not a plain tensor that is the whole of its own plain storage
+    (a tensor subclass, a view, shared memory, pinned memory: those keep what their memory is
+    for).
 
     For expert weights (experts.py): they are read every step, a 4 KiB page at a time, so each
     row of a float32 [.., 1024] weight is a page of its own and the kernels' reads of an expert
-    cross a page every few rows. On huge pages, measured on the 2-core Zen 1 EPYC (2026-12-06,
-    the same layer with its weights collapsed to huge pages (MADV_COLLAPSE) against 4 KiB
-    pages, steps alternated in one process with the caches swept before each, medians):
-    forward+backward fine-grained bf16 T = 1 / 16 0.974 / 0.957x the time, fp32 T = 1 0.952x,
-    T = 256 0.981x; Mixtral bf16 T = 1 / 16 0.983 / 0.952x, fp32 T = 16 / 256 0.951 / 0.983x;
-    forward fine-grained bf16 T = 1 0.976x, fp32 T = 256 0.995x, bf16 T = 2048 1.005x. The
-    fine-grained input gradients at T = 256 alone (64 experts' blocks in one call) 0.90-0.99x.
+    cross a page every few rows (its TLB entries, and the hardware prefetchers, which stop at
+    4 KiB boundaries). Measured on the 2-core Zen 1 EPYC (2026-12-06): the same layer built with
+    huge pages not paying (torch's memory) and paying (this), steps alternated in one process
+    with the caches swept before each, medians of 15-61 rounds, huge / 4 KiB time: forward+
+    backward fine-grained bf16 T = 1 / 16 0.982 / 0.944, fp32 T = 1 0.927, T = 256 0.995 (pair
+    ratios 0.986); Mixtral bf16 T = 1 / 16 / 256 0.960 / 0.965 / 0.992, fp32 T = 16 0.961;
+    forward fine-grained fp32 T = 256 0.989. The fine-grained input gradients at T = 256 alone
+    (64 experts' blocks in one call, weights collapsed to huge pages) 0.90-0.99x; bf16 forward
+    at T = 2048 level (1.005x).
     """
     nbytes = t.numel() * t.element_size()
     if not (_mappable(t, nbytes) and huge_pages_pay()):
         return t
-    if t.is_shared() or t.is_pinned() or t.storage_offset() != 0 or not t.is_contiguous():
+    if type(t) is not Tensor or t.is_shared() or t.is_pinned():
         return t
-    if t.untyped_storage().nbytes() != nbytes:
+    if t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != nbytes:
         return t
     buffer = _map(nbytes)
     if buffer is None:

@@ -518,6 +518,7 @@ def test_on_huge_pages_copies_only_whole_plain_cpu_tensors_where_they_pay(monkey
         torch.randn(3, 1 << 20)[1:],  # a view into a larger storage
         torch.randn(1 << 20, 2).t(),  # not contiguous
         torch.randn(2, 1 << 20).share_memory_(),  # shared memory
+        torch.nn.Parameter(torch.randn(2, 1 << 20)),  # a subclass (e.g. a parameter, not its .data)
     ]
     for t in leaves:
         assert _memory.on_huge_pages(t) is t
