@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from moe_ffn import _memory
 from moe_ffn.experts import GatedExperts
 from moe_ffn.moe import MoE
 
@@ -141,8 +142,10 @@ class ExpertParallelExperts(GatedExperts):
         lo, hi = rank * L, (rank + 1) * L
         for name in _SHARDED:
             full = getattr(experts, name)
-            # clone: the full bank is freed once the caller drops the old module.
-            shard = None if full is None else nn.Parameter(full.detach()[lo:hi].clone(), full.requires_grad)
+            # a copy (the full bank is freed once the caller drops the old module), on huge pages
+            # where they pay (as the bank's own weights: experts.py)
+            copy = None if full is None else _memory.on_huge_pages(full.detach()[lo:hi].clone())
+            shard = None if full is None else nn.Parameter(copy, full.requires_grad)
             setattr(self, name, shard)
 
     def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:

@@ -549,3 +549,17 @@ def test_a_layer_on_huge_page_weights_computes_the_same_bits(monkeypatch, dtype)
         results[-1].append(layer(x))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@needs_thp
+def test_expert_parallel_shards_are_copied_onto_huge_pages(monkeypatch):
+    from moe_ffn import GatedExperts
+    from moe_ffn.parallel import ExpertParallelExperts
+
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)
+    full = GatedExperts(num_experts=8, dim=512, hidden_dim=512)
+    shard = ExpertParallelExperts(full, None, rank=1, world_size=2)  # experts 4-7 (8 and 4 MiB)
+    for mine, whole in zip(_bank_weights(shard), _bank_weights(full)):
+        assert isinstance(mine, torch.nn.Parameter) and mine.requires_grad
+        assert torch.equal(mine, whole[4:]) and mine.data_ptr() != whole[4:].data_ptr()
+        assert _huge_kib_at(_interior(mine)) >= 2048
