@@ -1,5 +1,6 @@
 """Large CPU buffers: fresh ones on transparent huge pages and zero-filled without writing
-zeros, and a weight's gradient memory kept for its next gradient.
+zeros, a weight's gradient memory kept for its next gradient, and the expert weights
+themselves on huge pages (`on_huge_pages`).
 
 Why: a forward+backward step allocates the experts' weight gradients anew (E·3·D·F elements,
 352 MiB for a Mixtral layer in fp32) whenever the optimizer sets `.grad` to None, and glibc
@@ -172,21 +173,18 @@ def on_huge_pages(t: Tensor) -> Tensor:
         return t
     if t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != nbytes:
         return t
-    buffer = _map(nbytes)
-    if buffer is None:
-        return t
-    return torch.frombuffer(buffer, dtype=t.dtype).view(t.shape).copy_(t.detach())  # keeps `buffer` alive
+    mapped = _mapped(t.shape, t.dtype)
+    return t if mapped is None else mapped.copy_(t.detach())
 
 
 def empty_on_huge_pages(*shape: int, device=None, dtype=None) -> Tensor:
     """torch.empty(shape, device=device, dtype=dtype), on a fresh mapping of its own asked for
     huge pages before anything writes it where `on_huge_pages` would put a copy there."""
     kind = torch.empty(0, device=device, dtype=dtype)  # (the device and dtype the defaults give)
-    nbytes = math.prod(shape) * kind.element_size()
-    buffer = _map(nbytes) if _mappable(kind, nbytes) and huge_pages_pay() else None
-    if buffer is None:
-        return torch.empty(*shape, device=device, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=kind.dtype).view(shape)  # keeps `buffer` alive
+    mapped = None
+    if _mappable(kind, math.prod(shape) * kind.element_size()) and huge_pages_pay():
+        mapped = _mapped(shape, kind.dtype)
+    return torch.empty(*shape, device=device, dtype=dtype) if mapped is None else mapped
 
 
 def empty(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
@@ -202,13 +200,8 @@ def zeros(like: Tensor, *shape: int, dtype: torch.dtype | None = None) -> Tensor
     ordinary contiguous tensor otherwise: autograd takes it as `.grad` without a copy.
     """
     dtype = like.dtype if dtype is None else dtype
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not _mappable(like, nbytes):
-        return like.new_zeros(shape, dtype=dtype)
-    buffer = _map(nbytes)
-    if buffer is None:
-        return like.new_zeros(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # keeps `buffer` alive
+    mapped = _mapped(shape, dtype) if _mappable(like, math.prod(shape) * dtype.itemsize) else None
+    return like.new_zeros(shape, dtype=dtype) if mapped is None else mapped
 
 
 def _mappable(like: Tensor, nbytes: int, least: int = _MIN_BYTES) -> bool:
@@ -220,6 +213,15 @@ def _mappable(like: Tensor, nbytes: int, least: int = _MIN_BYTES) -> bool:
         and sys.platform.startswith("linux")
         and not torch.compiler.is_compiling()
     )
+
+
+def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor | None:
+    """A tensor on a fresh mapping of its own (`_map`: zeros, on huge pages where they pay),
+    which it owns; or None where no mapping can be made."""
+    buffer = _map(math.prod(shape) * dtype.itemsize)
+    if buffer is None:
+        return None
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # keeps `buffer` alive
 
 
 def _map(nbytes: int) -> mmap.mmap | None:

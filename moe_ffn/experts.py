@@ -83,8 +83,8 @@ class _ExpertBank(nn.Module):
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (`.to()`, `.float()`, `.cpu()`, ...), then each weight it moved to new
         CPU memory is copied once more, onto memory asked for huge pages (`_memory.on_huge_pages`:
-        where they pay; views, shared and pinned memory are left as they are). At construction
-        the weights are made on such memory (`_memory.empty_on_huge_pages`)."""
+        where they pay; views, tensor subclasses, shared and pinned memory are left as they are).
+        At construction the weights are made on such memory (`_memory.empty_on_huge_pages`)."""
         before = {name: p.data_ptr() for name, p in self.named_parameters(recurse=False)}
         super()._apply(fn, recurse)
         for name, p in self.named_parameters(recurse=False):

@@ -142,11 +142,13 @@ class ExpertParallelExperts(GatedExperts):
         lo, hi = rank * L, (rank + 1) * L
         for name in _SHARDED:
             full = getattr(experts, name)
+            if full is None:
+                setattr(self, name, None)
+                continue
             # a copy (the full bank is freed once the caller drops the old module), on huge pages
             # where they pay (as the bank's own weights: experts.py)
-            copy = None if full is None else _memory.on_huge_pages(full.detach()[lo:hi].clone())
-            shard = None if full is None else nn.Parameter(copy, full.requires_grad)
-            setattr(self, name, shard)
+            shard = _memory.on_huge_pages(full.detach()[lo:hi].clone())
+            setattr(self, name, nn.Parameter(shard, full.requires_grad))
 
     def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:
         """Args:
