@@ -145,9 +145,10 @@ class ExpertParallelExperts(GatedExperts):
             if full is None:
                 setattr(self, name, None)
                 continue
-            # a copy (the full bank is freed once the caller drops the old module), on huge pages
-            # where they pay (as the bank's own weights: experts.py)
-            shard = _memory.on_huge_pages(full.detach()[lo:hi].clone())
+            # a copy (the full bank is freed once the caller drops the old module), made as the
+            # bank makes its own weights (on huge pages where they pay: experts.py)
+            part = full.detach()[lo:hi]
+            shard = _memory.empty_on_huge_pages(*part.shape, device=part.device, dtype=part.dtype).copy_(part)
             setattr(self, name, nn.Parameter(shard, full.requires_grad))
 
     def forward(self, x_ND: Tensor, tokens_per_expert_E: Tensor | None = None) -> Tensor:

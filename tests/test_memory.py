@@ -35,6 +35,12 @@ def _huge_kib_at(address: int) -> int:
     return _smaps_kib(address, "AnonHugePages")
 
 
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+    reason="needs Linux with transparent huge pages in madvise or always mode",
+)
+
+
 def test_empty_has_the_requested_shape_dtype_and_device():
     like = torch.zeros(3, dtype=torch.bfloat16)
     t = _memory.empty(like, 4, 5, 6)
@@ -47,8 +53,7 @@ def _fresh_floats(n: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE), dtype=torch.float32)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
-                    reason="needs Linux with transparent huge pages in madvise or always mode")
+@needs_thp
 def test_advised_buffers_are_backed_by_huge_pages_once_touched(monkeypatch):
     monkeypatch.setattr(_memory, "huge_pages_pay", lambda: True)  # (whatever this machine's probe says)
     t = _memory.advise_huge_pages(_fresh_floats(16 << 20))  # 64 MiB
@@ -441,12 +446,6 @@ def test_environment_switch_turns_scratch_memory_off():
 
 
 # --- expert weights on huge pages -------------------------------------------------------------
-
-needs_thp = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
-    reason="needs Linux with transparent huge pages in madvise or always mode",
-)
-
 
 def _interior(t: torch.Tensor) -> int:
     """An address inside t's memory at least a huge page from its ends."""
