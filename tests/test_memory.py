@@ -128,8 +128,19 @@ def test_first_touch_probe_times_a_real_first_touch():
         assert 0 < seconds < 5
 
 
-def _rss_kib_at(address: int) -> int:
-    return _smaps_kib(address, "Rss")
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the pages under t's own byte range that are mapped in, from /proc/self/pagemap
+    (bit 63 of each page's entry: present). Not smaps' Rss: the kernel merges neighbouring
+    mappings with the same flags into one, so a mapping's Rss can count another tensor's pages
+    (on 2026-12-06 a gradient's mapping merged with the huge-page weights' beside it)."""
+    page = mmap.PAGESIZE
+    first = t.data_ptr() // page
+    last = (t.data_ptr() + t.numel() * t.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first + 1) * 8)
+    present = sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+    return present * page
 
 
 def test_zeros_reads_as_zeros_and_owns_its_memory():
@@ -160,7 +171,7 @@ def test_idle_experts_gradients_are_exact_zeros_never_written():
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
     for grad in (gate_up.grad, down.grad):  # (before the checks below read them: on 4 KiB pages
         # those reads mapped pages here, 2026-12-03, where on huge pages they map the zero page)
-        resident = _rss_kib_at(grad.data_ptr()) * 1024
+        resident = _resident_bytes(grad)
         one_expert = grad[0].numel() * grad.element_size()
         # the active expert's slice, rounded out to whole (huge) pages
         assert resident <= one_expert + 2 * (2 << 20), (resident, grad.numel() * grad.element_size())
