@@ -489,9 +489,11 @@ def test_expert_weights_are_made_on_huge_pages(monkeypatch, make):
 def test_expert_weights_moved_by_to_land_on_huge_pages(monkeypatch):
     from moe_ffn import MoE
 
-    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: False)  # made on 4 KiB pages
+    monkeypatch.setattr(_memory, "huge_pages_pay", lambda: False)
     moe = MoE(dim=512, hidden_dim=512, num_experts=8, top_k=2)  # (bf16 weights of 8 and 4 MiB)
     params = _bank_weights(moe.experts)
+    for w in params:  # onto 4 KiB pages for certain (torch.empty may hand back heap memory that
+        w.data = _fresh_floats(w.numel()).view(w.shape).copy_(w.detach())  # an earlier test advised)
     if _thp_mode() == "madvise":
         assert all(_huge_kib_at(_interior(w)) == 0 for w in params)
     expected = [w.detach().to(torch.bfloat16) for w in params]
