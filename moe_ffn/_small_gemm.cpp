@@ -695,6 +695,38 @@ constexpr int64_t kSplitRowsMax = 6;  // rows of g up to which w's rows are spli
 
 constexpr int64_t kSplitBlock = 8;  // rows of w per pass over y's rows
 
+// Where split_long (through bf16 weights from 3 rows of g, float32 ones from 5; rows a multiple
+// of 4 KiB apart: bf16 at 6 only), w's rows go in blocks of kSplitLongBlock instead, each block
+// a column strip at a time (8·V columns, their ROWS·V sums in registers down all the block's
+// rows: y read and written once a block, not once every 8 rows), each step prefetching the
+// strip's row kSplitAhead rows on (past the block's end: its first rows' next line, where the
+// strips after this one read). The same sums in the same order. Why: at 3–6 rows the blocks
+// of 8 read and wrote y's rows every 8 rows of w, and read w's 8 rows side by side at 4–13
+// GB/s. Input gradients, ms, blocks of 8 → these (8 Mixtral or fine-grained experts' blocks in
+// one input_grad_blocks call, weights on huge pages, 11 interleaved rounds in one process,
+// same bits, 2-core Zen 1 EPYC, 2026-12-06), bf16 weights at 3 / 4 / 5 / 6 rows: 7168×1024
+// 9.09 → 7.57, 11.42 → 8.59, 15.62 → 10.46, 19.39 → 11.70; 1024×3584 4.02 → 3.83, 4.97 → 4.49,
+// 6.44 → 4.97, 8.21 → 6.12; 1024×1024 1.78 → 1.54, 2.09 → 1.82, 2.79 → 2.08, 3.34 → 2.34;
+// 1024×512 1.27 → 1.14, 1.46 → 1.38, 1.79 → 1.30, 2.13 → 1.30; float32 at 5 / 6 rows 1024×3584
+// 7.13 → 5.94, 8.80 → 6.60, 1024×512 2.22 → 1.91, 2.54 → 1.95. Not taken: float32 at 3–4 rows
+// (0.97–1.14×) and 1–2 rows (1.2–1.9×); rows 4 KiB apart (float32 1024 or bf16 2048 columns),
+// whose strip's lines all fall in one L1 set, where the prefetched lines evict each other:
+// bf16 at 3–5 rows 1.02–1.29×, float32 1.04–1.18× at 5 rows of 1024×1024. Whole parts as one
+// block (no y traffic at all): 1.0–1.5× (a strip down 3584 rows of 7168×1024 leaves the caches
+// before the next strip reads its lines' other halves); blocks of 64 / 128 level with 256 but
+// for 1024×3584 (1.1× without the wrapped prefetch); 16 / 48 / 64 rows ahead level or behind;
+// without the prefetch 1.1–3.0×. Layer forward+backward, interleaved A/B (21 rounds, same
+// bits): bf16 T = 16 Mixtral 52.5 → 50.2 ms, fine-grained 43.3 → 42.1; float32 T = 16 0.99×;
+// T = 1 and fine-grained T = 256 (no blocks of 3–6 rows) level (1.02×, 1.01×).
+constexpr int64_t kSplitLongBlock = 256;
+constexpr int64_t kSplitAhead = 32;
+template <typename W>
+bool split_long(int rows, int64_t ldw) {
+  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
+  if (ldw * int64_t{sizeof(W)} % 4096 != 0) return rows >= (kBf16 ? 3 : 5);
+  return kBf16 && rows >= 6;
+}
+
 // y[r, c : c + 8·V] (+)= sum over j < count of g[r, o + j] · w[o + j, c : c + 8·V] for ROWS (≤ 6)
 // rows of g (the last vector's first `tail` lanes when MASKED; y read unless `first`). Each
 // step's broadcast of g[r, o + j] serves V products, and the ROWS·V sums are independent
@@ -718,7 +750,7 @@ constexpr int64_t kSplitBlock = 8;  // rows of w per pass over y's rows
 // 8.9–9.3 → 8.6 / 10.9–11.1, at 4 rows 6.7–6.9 / 7.6–8.0 → 7.3 / 8.3–9.0; 3584×1024 /
 // 7168×1024 at 4 rows 9.3–9.5 / 8.2–8.4 → 10.6–10.7 / 9.1, at 6 rows 6.1 / 4.9 → 6.5 / 5.3.
 // (1–2 rows of bf16 w mostly take split_line; unpacks there: mixed, not kept.)
-template <int ROWS, int V, bool MASKED, typename W>
+template <int ROWS, int V, bool MASKED, bool AHEAD = false, typename W>
 inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_t c, float* y, int64_t ldy,
                          bool first, __m256i mask, int64_t tail) {
   static_assert(1 <= ROWS && ROWS <= kSplitRowsMax && 1 <= V && V <= 4 && ROWS * V <= 12, "tile");
@@ -740,6 +772,11 @@ inline void split_vector(const InputGrad<W>& p, int64_t o, int64_t count, int64_
   const W* w = p.w + o * p.ldw + c;
   const float* g = p.g + o;
   for (int64_t j = 0; j < count; ++j, w += p.ldw, ++g) {
+    if constexpr (AHEAD) {  // (a long block, see kSplitLongBlock)
+      const char* at = j + kSplitAhead < count ? reinterpret_cast<const char*>(w + kSplitAhead * p.ldw)
+                                               : reinterpret_cast<const char*>(w + (kSplitAhead - count) * p.ldw) + 64;
+      _mm_prefetch(at, _MM_HINT_T0);
+    }
     __m256 w_j[V];
     if constexpr (kPairs) {
 #pragma GCC unroll 2
@@ -801,7 +838,8 @@ inline void split_line(const InputGrad<W>& p, int64_t o, int64_t c, float* y, in
 }
 
 // y[r, :] (+)= sum over o in [o0, o1) of g[r, o] · w[o, :] for ROWS rows of g: w's rows in
-// blocks of kSplitBlock, each block's rows read side by side, 8 columns at a time; or, through
+// blocks of kSplitBlock (of kSplitLongBlock where split_long), each block's rows read side by
+// side, 8 columns at a time; or, through
 // bf16 weights for 1–2 rows of g whose rows of y fit in kLineRowsBytes, w's rows one after
 // another, a line at a time (split_line; y stays in L1). The same sums in the same order
 // either way. Reading w, GB/s blocks of 8 → lines (every expert's block in one
@@ -831,15 +869,21 @@ void split_rows(const InputGrad<W>& p, int64_t o0, int64_t o1, float* y, int64_t
       return;
     }
   }
-  for (int64_t o = o0; o < o1; o += kSplitBlock) {
-    const int64_t count = std::min(kSplitBlock, o1 - o);
-    const bool first = fresh && o == o0;
-    constexpr int V = ROWS <= 2 ? 4 : 2;  // (ROWS·V ≤ 12 sums, V vectors of w, one broadcast: ≤ 16 registers)
-    int64_t c = 0;
-    for (; c + 8 * V <= whole; c += 8 * V) split_vector<ROWS, V, false>(p, o, count, c, y, ldy, first, mask, 0);
-    for (; c < whole; c += 8) split_vector<ROWS, 1, false>(p, o, count, c, y, ldy, first, mask, 0);
-    if (whole < n) split_vector<ROWS, 1, true>(p, o, count, whole, y, ldy, first, mask, n - whole);
-  }
+  auto blocks = [&](auto ahead) {
+    constexpr bool AHEAD = decltype(ahead)::value;
+    const int64_t block = AHEAD ? kSplitLongBlock : kSplitBlock;
+    for (int64_t o = o0; o < o1; o += block) {
+      const int64_t count = std::min(block, o1 - o);
+      const bool first = fresh && o == o0;
+      constexpr int V = ROWS <= 2 ? 4 : 2;  // (ROWS·V ≤ 12 sums, V vectors of w, one broadcast: ≤ 16 registers)
+      int64_t c = 0;
+      for (; c + 8 * V <= whole; c += 8 * V) split_vector<ROWS, V, false, AHEAD>(p, o, count, c, y, ldy, first, mask, 0);
+      for (; c < whole; c += 8) split_vector<ROWS, 1, false, AHEAD>(p, o, count, c, y, ldy, first, mask, 0);
+      if (whole < n) split_vector<ROWS, 1, true, AHEAD>(p, o, count, whole, y, ldy, first, mask, n - whole);
+    }
+  };
+  if (split_long<W>(ROWS, p.ldw)) blocks(std::true_type{});
+  else blocks(std::false_type{});
 }
 
 template <typename W>

@@ -432,6 +432,26 @@ def test_input_grad_matches_float64(rows, shape, into):
         assert wide[:, :1].isnan().all() and wide[:, I + 1 :].isnan().all()
 
 
+# 3–6 rows: w's rows in blocks of 256 read a column strip at a time (`split_long`: through bf16
+# weights from 3 rows, float32 from 5, rows a multiple of 4 KiB apart only bf16 at 6) or in
+# blocks of 8; each thread's part of w's rows (O = 520: 264 + 256, a block of 256 and one of
+# 8) in whole blocks and a short last one; 1001 columns: strips of 16, a vector, a masked tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6])
+@pytest.mark.parametrize("shape", [(520, 1001), (1030, 1024), (600, 2048), (17, 40)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_input_grad_of_a_few_rows_takes_every_product_once(dtype, rows, shape, strided):
+    """Small integers: every product and partial sum is exact in float32, so the result equals
+    the float64 product whatever the order: each product counted once, none left out."""
+    _needs_kernel()
+    O, I = shape
+    torch.manual_seed(rows)
+    g = torch.randint(-8, 9, (rows, O)).float()
+    w = torch.randint(-8, 9, (O, I + 3 if strided else I)).to(dtype)[:, :I]
+    y = _small_gemm.input_grad(g, w.t())
+    assert y is not None and torch.equal(y.double(), g.double() @ w.double())
+
+
 # 1–2 rows: w read a line at a time where y's rows fit in 8 KiB (I = 1001: lines, a vector, a
 # masked tail; 2048 the widest one row takes, 2049 past it); 24: w packed first; 65: packed product
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 23, 24, 37, 64, 65, 97, 200])
