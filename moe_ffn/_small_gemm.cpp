@@ -838,8 +838,8 @@ inline void split_line(const InputGrad<W>& p, int64_t o, int64_t c, float* y, in
 }
 
 // y[r, :] (+)= sum over o in [o0, o1) of g[r, o] · w[o, :] for ROWS rows of g: w's rows in
-// blocks of kSplitBlock (of kSplitLongBlock where split_long), each block's rows read side by
-// side, 8 columns at a time; or, through
+// blocks of kSplitBlock, each block's rows read side by side, 8 columns at a time (where
+// split_long, blocks of kSplitLongBlock, each a column strip at a time: see there); or, through
 // bf16 weights for 1–2 rows of g whose rows of y fit in kLineRowsBytes, w's rows one after
 // another, a line at a time (split_line; y stays in L1). The same sums in the same order
 // either way. Reading w, GB/s blocks of 8 → lines (every expert's block in one
