@@ -159,7 +159,7 @@ def test_zeros_reads_as_zeros_and_owns_its_memory():
 def test_idle_experts_gradients_are_exact_zeros_never_written():
     """One token, top-1 of 32 experts, float64 (16 and 8 MiB weight gradients): the gradients
     equal the per-token float64 loop's, the 31 idle experts' are exact zeros, and the pages of
-    those zeros were never touched (the mapping's resident size stays near one expert's)."""
+    those zeros were never touched (the pages under the gradient stay near one expert's)."""
     from moe_ffn import MoE
     from reference import moe_forward
 
