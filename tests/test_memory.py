@@ -155,7 +155,7 @@ def test_zeros_reads_as_zeros_and_owns_its_memory():
     assert small.dtype == torch.bfloat16 and small.abs().sum() == 0
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
 def test_idle_experts_gradients_are_exact_zeros_never_written():
     """One token, top-1 of 32 experts, float64 (16 and 8 MiB weight gradients): the gradients
     equal the per-token float64 loop's, the 31 idle experts' are exact zeros, and the pages of
