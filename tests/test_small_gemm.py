@@ -1790,6 +1790,62 @@ def test_weight_grad_blocks_is_weight_grad_into_block_by_block(monkeypatch, rows
     assert torch.equal(out[sorted(seen)], want[sorted(seen)]) and out[E - 1].isnan().all()
 
 
+@pytest.mark.parametrize("layout", ["even", "uneven", "small"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_blocks_of_more_than_six_rows_are_shared_and_the_blocks_one_by_one(monkeypatch, layout, dtype):
+    """Where every block has more than six rows, the backward's *_blocks calls share the blocks
+    among the threads, each block whole on one thread (an expert's blocks together), and put
+    the whole team on each block in turn where the shares are uneven or a block is smaller:
+    on two threads, every input gradient (through float32 or bf16 weights) and weight gradient
+    (into float32, an expert's later block added; into bf16, one block an expert) bit for bit
+    what the single-block calls make on the whole team, and within the float64 bound."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(len(layout))
+    rows = {
+        "even": [23, 19, 31, 17, 9, 12, 25, 21, 40, 7],
+        "uneven": [150, 9, 12, 8, 7, 10, 11, 9, 13, 8],  # (float32: uneven shares, the whole team on each block)
+        "small": [23, 19, 31, 17, 9, 12, 25, 21, 40, 3],  # (a decode-sized block among them: the same)
+    }[layout]
+    if dtype == torch.bfloat16:
+        rows = [min(r, _small_gemm.ranges().bf16) for r in rows]
+    experts = [0, 1, 1, 2, 3, 3, 4, 5, 6, 7]  # (ascending; experts 1 and 3 in two blocks each)
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    blocks = [(e, s, s + r) for e, s, r in zip(experts, starts, rows)]
+    E, O, I, N = 8, 96, 72, sum(rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = torch.randn(E, O, I).to(dtype)
+        g = _strided(N, O)
+        out = torch.full((N, I), float("nan"))
+        assert _small_gemm.input_grad_blocks(out, g, w, blocks)
+        for e, start, stop in blocks:
+            assert torch.equal(out[start:stop], _small_gemm.input_grad(g[start:stop], w[e].t()))
+            exact = g[start:stop].double() @ w[e].double()
+            bound = _bound(g[start:stop].double().abs(), w[e].double().abs(), O)
+            assert bool(((out[start:stop].double() - exact).abs() <= bound).all())
+        a, b = _strided(N, O), _strided(N, I)
+        if dtype == torch.float32:
+            again = [i > 0 and experts[i - 1] == e for i, e in enumerate(experts)]
+            grad, want = torch.full((E, O, I), float("nan")), torch.full((E, O, I), float("nan"))
+        else:  # (bf16 gradients are never added to: one block an expert)
+            blocks = [blk for i, blk in enumerate(blocks) if i == 0 or experts[i - 1] != blk[0]]
+            again = [False] * len(blocks)
+            grad, want = torch.full((E, O, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
+        assert _small_gemm.weight_grad_blocks(grad, a, b, blocks, again)
+        exact = torch.zeros(E, O, I, dtype=torch.float64)
+        for (e, start, stop), add in zip(blocks, again):
+            assert _small_gemm.weight_grad_into(want[e], a[start:stop].t(), b[start:stop], add)
+            exact[e] += a[start:stop].double().t() @ b[start:stop].double()
+        assert torch.equal(grad.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        bound = _bound(a.double().abs().t(), b.double().abs(), N) + (exact.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0)
+        assert bool(((grad.double() - exact).abs() <= bound).all())
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_blocks_entry_points_decline_what_they_do_not_take(monkeypatch):
     """False (nothing written) for: no blocks, a block past the rows the kernel takes (through
     bf16 weights or into bf16 gradients: past its bf16 rows), an empty block, float64 tensors,
