@@ -478,8 +478,9 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
 
 // float32 x and w of up to 256 rows of x: the products in place (below, linear_in_place) from
 // kInPlaceLongRows rows where w's rows are too long for the strips to prefetch (more than
-// kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else past kPrefetchedStripRows rows,
-// where the strips were behind it. GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
+// kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else from kInPlaceShortRows rows
+// (past 120 until 2026-12-06, when a last panel of up to 8 rows went to half tiles, and
+// those lost to the strips; see linear_in_place). GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
 // experts' weights in turn, 7 interleaved rounds, 2-core EPYC). Long rows (Mixtral's
 // 1024×3584) at 8 / 12 / 16 / 20 / 24 / 32 / 40 / 48 / 64 rows: 43 / 44, 53 / 59, 62 / 80, 66
 // / 64, 74 / 80, 80 / 94, 84 / 89, 89 / 101, 88 / 98; at 72 / 100 / 112 / 128 rows 92 / 96, 88
@@ -492,7 +493,7 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
 // 102); Mixtral 7168×1024 100 / 106, 106 / 99, 1024×3584 99 / 107, 90 / 101.
 constexpr int64_t kInPlaceRows[2] = {12, 256};
 constexpr int64_t kInPlaceLongRows = kInPlaceRows[0];
-constexpr int64_t kPrefetchedStripRows = 120;
+constexpr int64_t kInPlaceShortRows = 16;
 int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
                     int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team);
 
@@ -506,7 +507,7 @@ int linear(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* b,
   if constexpr (std::is_same_v<W, float> && std::is_same_v<Y, float>) {
     // (to kInPlaceRows[1], the callers' limit: _small_gemm.py's IN_PLACE_MAX_ROWS)
     const bool strips_prefetch = 3 * in_features * int64_t{sizeof(float)} <= kStripPrefetchBytes;
-    if (strips_prefetch ? rows > kPrefetchedStripRows : rows >= kInPlaceLongRows)
+    if (strips_prefetch ? rows >= kInPlaceShortRows : rows >= kInPlaceLongRows)
       return linear_in_place(x, ldx, w, ldw, b, y, ldy, rows, out_features, in_features, count, team);
   }
   const Linear<W, Y> p{x, ldx, w, ldw, b, y, ldy, rows, in_features};
@@ -1494,9 +1495,20 @@ int product(const Product& p, bool accumulate, int threads, const Team& team) {
 // others): the packed product's register tiles with the roles turned, so that the weight is
 // never packed. A tile is 6 rows of w by 16 rows of x: each step broadcasts one value from
 // each of the 6 rows of w, read where they lie, against 16 rows of x packed as one panel of xᵀ
-// (pack_b; x is small, packed once a call); a last panel of at most 8 rows takes tiles of 12
-// rows of w by 8. The threads split w's rows; each walks its rows in blocks of
-// kInPlaceBlockBytes of w (kept in L2) and passes every panel under a block's tiles. Its first
+// (pack_b; x is small, packed once a call). The threads split w's rows; each walks its rows
+// in blocks of kInPlaceBlockBytes of w (kept in L2) and passes every panel under a block's
+// tiles. A last panel of at most 8 rows of x (kInPlaceStripRows) goes through the strips
+// instead (linear_strip: 4 rows of x against 3 rows of w, dot products along the rows), over
+// each block while it is in L2, where it took tiles of 12 rows of w by 8 (one broadcast an
+// FMA), which ran slower than a whole 16-row panel: GFLOP/s strips for all rows → in place
+// with the half tiles, fine-grained 1024×1024 at 20 / 24 / 34 / 40 rows 50.9 → 35.7, 53.7 →
+// 45.0, 57.7 → 44.7, 59.2 → 49.6 (64 experts' weights in one linear_blocks call, 5
+// interleaved rounds, Zen 1 EPYC, 2026-12-06). In place with the last panel's rows on the
+// strips against the strips for all rows (5 rounds, the same), 1024×1024 / 1024×512 at 16 /
+// 20 / 24 / 28 / 32 / 36 / 40 / 48 / 64 rows: 53 → 73 / 54 → 63, 59 → 65 / 62 → 61, 63 → 62 /
+// 61 → 61, 63 → 67 / 64 → 63, 69 → 77 / 64 → 70, 60 → 66 / 67 → 69, 69 → 67 / 52 → 59, 68 →
+// 80 / 66 → 75, 71 → 73 / 72 → 67; the layer's forward (interleaved, 9–11 rounds, same
+// machine) fine-grained T = 256 fp32 0.947×, Mixtral T = 256 0.921×. Its first
 // measurement, at 65–128 rows against the packed product (which first copies the whole weight
 // into panels: the fine-grained shape's 4 MiB per expert) and oneDNN's inner product (torch's
 // choice for Mixtral's weights), before the strips prefetched: GFLOP/s, 7 interleaved rounds,
@@ -1526,75 +1538,60 @@ inline void in_place_tile(const float* w, int64_t ldw, const float* panel, int64
   }
 }
 
-// The same for a last panel of at most 8 rows of x (its first 8 lanes): 12 rows of w a tile
-// (12 accumulators, as above), where a 16-lane tile would multiply zeros in half its lanes.
-constexpr int64_t kHalfTileRows = 12;
-
-template <int ROWS>
-inline void in_place_half_tile(const float* w, int64_t ldw, const float* panel, int64_t depth, float* sums) {
-  __m256 c[kHalfTileRows];
-  for (int i = 0; i < ROWS; ++i) c[i] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < depth; ++s, panel += kPanel) {
-    const __m256 b0 = _mm256_loadu_ps(panel);
-    for (int i = 0; i < ROWS; ++i) c[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * ldw + s), b0, c[i]);
-  }
-  for (int i = 0; i < ROWS; ++i) _mm256_store_ps(sums + i * kPanel, c[i]);
-}
-
-template <int ROWS>
-void in_place_tiles(const float* w, int64_t ldw, const float* panel, int64_t depth, bool half, float* sums) {
-  if (half) in_place_half_tile<ROWS>(w, ldw, panel, depth, sums);
-  else if constexpr (ROWS <= kTileRows) in_place_tile<ROWS>(w, ldw, panel, depth, sums);
-}
+constexpr int64_t kInPlaceStripRows = 8;
 
 // (arguments checked by linear())
 int linear_in_place(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* b, float* y, int64_t ldy,
                     int64_t rows, int64_t out_features, int64_t in_features, int64_t threads, const Team& team) {
   const int64_t depth = in_features, panels = (rows + kPanel - 1) / kPanel;
-  float* x_pack = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * panels * depth * kPanel));
+  // the last panel's rows through the strips where it has at most kInPlaceStripRows of them
+  const int64_t last_rows = rows - (panels - 1) * kPanel;
+  const int64_t tiled = panels > 1 && last_rows <= kInPlaceStripRows ? panels - 1 : panels;
+  const Linear<float, float> strips{x + tiled * kPanel * ldx, ldx, w, ldw, b, y + tiled * kPanel * ldy, ldy,
+                                    rows - tiled * kPanel, in_features};
+  const __m256i tail_mask = first_lanes(in_features % 8);
+  float* x_pack = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * tiled * depth * kPanel));
   if (!x_pack) return -1;
   // B = xᵀ [depth, rows]: its columns are x's rows (transposed while packed, zeros past rows)
   const Product xt{nullptr, 0, 0, x, 1, ldx, nullptr, nullptr, nullptr, nullptr, 0, depth, 0, rows};
-  on_team(team, std::min(threads, panels), [&](int64_t t, int64_t n) {
+  on_team(team, std::min(threads, tiled), [&](int64_t t, int64_t n) {
     int64_t q0, q1;
-    share(panels, 1, t, n, &q0, &q1);
+    share(tiled, 1, t, n, &q0, &q1);
     pack_b(xt, q0, q1, 0, depth, x_pack + q0 * depth * kPanel);
   });
-  const int64_t block =  // (whole tiles of either width)
-      std::max(kHalfTileRows, kInPlaceBlockBytes / (int64_t{sizeof(float)} * depth) / kHalfTileRows * kHalfTileRows);
+  const int64_t block =  // (whole tiles)
+      std::max(kTileRows, kInPlaceBlockBytes / (int64_t{sizeof(float)} * depth) / kTileRows * kTileRows);
   on_team(team, threads, [&](int64_t t, int64_t n) {
     int64_t first, last;
-    share(out_features, kHalfTileRows, t, n, &first, &last);
-    alignas(32) float sums[kHalfTileRows * kPanel];
+    share(out_features, kTileRows, t, n, &first, &last);
+    alignas(32) float sums[kTileRows * kPanel];
     for (int64_t o0 = first; o0 < last; o0 += block) {
       const int64_t o1 = std::min(last, o0 + block);
-      for (int64_t q = 0; q < panels; ++q) {
+      for (int64_t q = 0; q < tiled; ++q) {
         const float* panel = x_pack + q * depth * kPanel;
         const int64_t r0 = q * kPanel, width = std::min(kPanel, rows - r0);
-        const bool half = width <= 8;
-        const int64_t tile_rows = half ? kHalfTileRows : kTileRows;
-        for (int64_t o = o0; o < o1; o += tile_rows) {
-          const int64_t count = std::min(tile_rows, o1 - o);
+        for (int64_t o = o0; o < o1; o += kTileRows) {
+          const int64_t count = std::min(kTileRows, o1 - o);
           const float* w_o = w + o * ldw;
           switch (count) {
-            case 12: in_place_tiles<12>(w_o, ldw, panel, depth, half, sums); break;
-            case 11: in_place_tiles<11>(w_o, ldw, panel, depth, half, sums); break;
-            case 10: in_place_tiles<10>(w_o, ldw, panel, depth, half, sums); break;
-            case 9: in_place_tiles<9>(w_o, ldw, panel, depth, half, sums); break;
-            case 8: in_place_tiles<8>(w_o, ldw, panel, depth, half, sums); break;
-            case 7: in_place_tiles<7>(w_o, ldw, panel, depth, half, sums); break;
-            case 6: in_place_tiles<6>(w_o, ldw, panel, depth, half, sums); break;
-            case 5: in_place_tiles<5>(w_o, ldw, panel, depth, half, sums); break;
-            case 4: in_place_tiles<4>(w_o, ldw, panel, depth, half, sums); break;
-            case 3: in_place_tiles<3>(w_o, ldw, panel, depth, half, sums); break;
-            case 2: in_place_tiles<2>(w_o, ldw, panel, depth, half, sums); break;
-            default: in_place_tiles<1>(w_o, ldw, panel, depth, half, sums); break;
+            case 6: in_place_tile<6>(w_o, ldw, panel, depth, sums); break;
+            case 5: in_place_tile<5>(w_o, ldw, panel, depth, sums); break;
+            case 4: in_place_tile<4>(w_o, ldw, panel, depth, sums); break;
+            case 3: in_place_tile<3>(w_o, ldw, panel, depth, sums); break;
+            case 2: in_place_tile<2>(w_o, ldw, panel, depth, sums); break;
+            default: in_place_tile<1>(w_o, ldw, panel, depth, sums); break;
           }
           for (int64_t j = 0; j < width; ++j) {  // the tile's sums are yᵀ: stored transposed
             float* y_j = y + (r0 + j) * ldy + o;
             for (int64_t i = 0; i < count; ++i) y_j[i] = sums[i * kPanel + j] + (b ? b[o + i] : 0.0f);
           }
         }
+      }
+      if (tiled < panels) {  // (the block's rows of w still in L2)
+        int64_t o = o0;
+        for (; o + 3 <= o1; o += 3) linear_strip<3>(strips, o, tail_mask);
+        if (o1 - o == 2) linear_strip<2>(strips, o, tail_mask);
+        if (o1 - o == 1) linear_strip<1>(strips, o, tail_mask);
       }
     }
   });

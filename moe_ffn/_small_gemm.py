@@ -18,8 +18,8 @@ layer, input gradients of up to 64 rows against up to 16 (interleaved A/B, fp32
 forward+backward): fine T=128 180 → 175 ms, T=256 253 → 241 ms, Mixtral T=256 324 → 322 ms.
 
 Used for: the expert bank's forward products x·Wᵀ of 1–`MAX_ROWS` rows, float32 ones to
-`IN_PLACE_MAX_ROWS` (since 2026-12-02 the strips prefetch the next rows of w, and past 120
-rows, or from 12 where w's rows are long, tiles read w in place: _small_gemm.cpp, kInPlaceRows;
+`IN_PLACE_MAX_ROWS` (since 2026-12-02 the strips prefetch the next rows of w, and from 16
+rows, or 12 where w's rows are long, tiles read w in place: _small_gemm.cpp, kInPlaceRows;
 grouped.py's `_linear_into`) and its input gradients g·W of `INPUT_GRAD_ROWS` rows (grouped.py's
 `_linear`), when every tensor is a float32 CPU tensor with contiguous rows; and the forward
 products of bf16 experts on CPUs without bf16 matrix units, where torch would either run a

@@ -177,15 +177,15 @@ def test_packed_product_takes_only_the_products_it_was_measured_ahead_in(monkeyp
     assert ((out.double() - x.double() @ w_small.double().T).abs() <= _bound(x.double().abs(), w_small.double().abs().T, 200)).all()
 
 
-# 1–64 rows: strips of 3 rows of w (the next strip prefetched from 8 rows where w's rows are
-# short, I ≤ 1024); 65–256: those strips up to 120 rows; w read in place from 121 rows, and
-# from 12 rows where the rows are long (I = 1025, 4100): tiles of 6 rows of w by a 16-row
-# panel of xᵀ, or 12 by 8 for a last panel of up to 8 rows (65, 72 and 97 take those, 90 a
-# part full 16-row one; O = 97, 1100 leave a tile part full, I = 4100 makes several blocks of
-# w a thread); from 257 rows: the packed product (tiles of 6 rows, w's rows transposed into
-# 16-column panels 8 by 8; here always in the row split, B packed whole: see the next test for
-# the other)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 64, 65, 72, 90, 97, 128, 129, 200, 256, 257, 700])
+# 1–15 rows: strips of 3 rows of w (the next strip prefetched from 8 rows where w's rows are
+# short, I ≤ 1024); w read in place from 16 rows, and from 12 rows where the rows are long
+# (I = 1025, 4100): tiles of 6 rows of w by a 16-row panel of xᵀ, a last panel of up to 8
+# rows through the strips over each block of w (20, 65, 72, 97 and 200 take those, 90 a part
+# full 16-row panel, 16 and 64 whole panels only; O = 97, 1100 leave a tile part full, I =
+# 4100 makes several blocks of w a thread); from 257 rows: the packed product (tiles of 6
+# rows, w's rows transposed into 16-column panels 8 by 8; here always in the row split, B
+# packed whole: see the next test for the other)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 16, 20, 64, 65, 72, 90, 97, 128, 129, 200, 256, 257, 700])
 @pytest.mark.parametrize(
     "shape",
     [(1, 1), (2, 7), (5, 9), (24, 8), (50, 17), (97, 3), (130, 200), (256, 512), (40, 300), (1100, 261), (50, 4100),
