@@ -478,19 +478,20 @@ void linear_range(const Linear<W, Y>& p, int64_t first, int64_t last) {
 
 // float32 x and w of up to 256 rows of x: the products in place (below, linear_in_place) from
 // kInPlaceLongRows rows where w's rows are too long for the strips to prefetch (more than
-// kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else from kInPlaceShortRows rows
-// (past 120 until 2026-12-06, when a last panel of up to 8 rows went to half tiles, and
-// those lost to the strips; see linear_in_place). GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
-// experts' weights in turn, 7 interleaved rounds, 2-core EPYC). Long rows (Mixtral's
-// 1024×3584) at 8 / 12 / 16 / 20 / 24 / 32 / 40 / 48 / 64 rows: 43 / 44, 53 / 59, 62 / 80, 66
-// / 64, 74 / 80, 80 / 94, 84 / 89, 89 / 101, 88 / 98; at 72 / 100 / 112 / 128 rows 92 / 96, 88
-// / 87, 84 / 102, 98 / 106. Short rows at 72 / 88 / 100 / 112 / 120 / 128 rows: fine
-// 1024×1024 97 / 81, 98 / 82, 101 / 87, 95 / 96, 90 / 84, 97 / 102; 1024×512 100 / 81, 102 /
-// 85, 103 / 85, 100 / 82, 95 / 83, 99 / 97; Mixtral 7168×1024 101 / 88 (72), 85 / 80 (100), 93
-// / 95 (112), 98 / 110 (128). Up to 256 rows since it was ahead of the packed product and of
-// oneDNN there too (5 rounds, GFLOP/s packed or oneDNN / in place, at 192 / 256 rows): fine
-// 1024×1024 76 / 85, 90 / 101, 1024×512 94 / 91, 95 / 98 (at 384 level: 101 / 102, 107 /
-// 102); Mixtral 7168×1024 100 / 106, 106 / 99, 1024×3584 99 / 107, 90 / 101.
+// kStripPrefetchBytes / 3 bytes: Mixtral's 1024×3584), else from kInPlaceShortRows rows (past 120
+// until 2026-12-06, when a last panel of up to 8 rows went to half tiles, and those lost to the
+// strips; see linear_in_place: at 64–120 rows the two now run level, 0.96–1.08× the time, in
+// place ahead at 64 and 100 rows). GFLOP/s strips / in place (64 fine-grained or 8 Mixtral
+// experts' weights in turn, 7 interleaved rounds, 2-core EPYC, the half tiles then). Long rows
+// (Mixtral's 1024×3584) at 8 / 12 / 16 / 20 / 24 / 32 / 40 / 48 / 64 rows: 43 / 44, 53 / 59, 62 /
+// 80, 66 / 64, 74 / 80, 80 / 94, 84 / 89, 89 / 101, 88 / 98; at 72 / 100 / 112 / 128 rows 92 /
+// 96, 88 / 87, 84 / 102, 98 / 106. Short rows at 72 / 88 / 100 / 112 / 120 / 128 rows: fine
+// 1024×1024 97 / 81, 98 / 82, 101 / 87, 95 / 96, 90 / 84, 97 / 102; 1024×512 100 / 81, 102 / 85,
+// 103 / 85, 100 / 82, 95 / 83, 99 / 97; Mixtral 7168×1024 101 / 88 (72), 85 / 80 (100), 93 / 95
+// (112), 98 / 110 (128). Up to 256 rows since it was ahead of the packed product and of oneDNN
+// there too (5 rounds, GFLOP/s packed or oneDNN / in place, at 192 / 256 rows): fine 1024×1024 76
+// / 85, 90 / 101, 1024×512 94 / 91, 95 / 98 (at 384 level: 101 / 102, 107 / 102); Mixtral
+// 7168×1024 100 / 106, 106 / 99, 1024×3584 99 / 107, 90 / 101.
 constexpr int64_t kInPlaceRows[2] = {12, 256};
 constexpr int64_t kInPlaceLongRows = kInPlaceRows[0];
 constexpr int64_t kInPlaceShortRows = 16;
