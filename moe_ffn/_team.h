@@ -151,10 +151,10 @@ constexpr int64_t kMaxShared = 1024;  // (entries a call shares at most)
 
 // The shares of each_block_shared: owner[i], the thread that runs entry i (checked entries: an
 // expert in range, at least one row each); false where the blocks do not fall into even enough
-// shares, are too few or too many, or are not in ascending order of experts (grouped.py's
-// tables are), and run on the whole team in turn.
-inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int16_t* owner) {
-  if (threads < 2 || threads > 64 || count < 2 * threads || count > kMaxShared) return false;
+// shares, are too few (fewer than `per_thread` a thread) or too many, or are not in ascending
+// order of experts (grouped.py's tables are), and run on the whole team in turn.
+inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int16_t* owner, int64_t per_thread = 2) {
+  if (threads < 2 || threads > 64 || count < per_thread * threads || count > kMaxShared) return false;
   int64_t total = 0, share_rows[64] = {};
   for (int64_t i = 0; i < count; ++i) total += blocks[4 * i + 2] - blocks[4 * i + 1];
   for (int64_t i = 0, before = 0; i < count;) {  // an expert's run of entries: the share holding its middle row
@@ -186,14 +186,14 @@ inline bool block_owners(const int64_t* blocks, int64_t count, int threads, int1
 // fit (as each_block) or `fits` is false; else 0, or the first nonzero status of a block.
 template <typename Block>  // Block: int(int64_t e, int64_t start, int64_t rows, bool flag, int threads)
 int each_block_shared(const int64_t* blocks, int64_t count, int64_t experts, bool fits, int threads, const Team& team,
-                      const Block& block) {
+                      const Block& block, int64_t per_thread = 2) {
   if (count < 0 || !fits) return -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* b = blocks + 4 * i;
     if (b[0] < 0 || b[0] >= experts || b[1] < 0 || b[2] - b[1] < 1) return -1;
   }
   int16_t owner[kMaxShared];
-  if (!block_owners(blocks, count, threads, owner)) {  // (entries checked above)
+  if (!block_owners(blocks, count, threads, owner, per_thread)) {  // (entries checked above)
     for (int64_t i = 0; i < count; ++i) {
       const int64_t* b = blocks + 4 * i;
       if (const int status = block(b[0], b[1], b[2] - b[1], b[3] != 0, threads)) return status;
