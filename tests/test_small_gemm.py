@@ -1795,8 +1795,8 @@ def test_weight_grad_blocks_is_weight_grad_into_block_by_block(monkeypatch, rows
 def test_backward_blocks_of_more_than_six_rows_are_shared_and_the_blocks_one_by_one(monkeypatch, layout, dtype):
     """Where every block has more than six rows, the backward's *_blocks calls share the blocks
     among the threads, each block whole on one thread (an expert's blocks together; two blocks
-    on two threads, one each, too), and put
-    the whole team on each block in turn where the shares are uneven or a block is smaller:
+    on two threads, one each, too), and put the whole team on each block in turn where the
+    shares are uneven or a block is smaller:
     on two threads, every input gradient (through float32 or bf16 weights) and weight gradient
     (into float32, an expert's later block added; into bf16, one block an expert) bit for bit
     what the single-block calls make on the whole team, and within the float64 bound."""
@@ -1840,8 +1840,8 @@ def test_backward_blocks_of_more_than_six_rows_are_shared_and_the_blocks_one_by_
         for (e, start, stop), add in zip(blocks, again):
             assert _small_gemm.weight_grad_into(want[e], a[start:stop].t(), b[start:stop], add)
             exact[e] += a[start:stop].double().t() @ b[start:stop].double()
-        assert torch.equal(grad.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(grad.view(bits), want.view(bits))
         bound = _bound(a.double().abs().t(), b.double().abs(), N) + (exact.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0)
         seen = sorted({e for e, _, _ in blocks})
         assert bool(((grad.double() - exact).abs() <= bound)[seen].all())
