@@ -50,6 +50,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1051,15 +1052,47 @@ inline __m256i quiet_nans(__m256i bits, __m256 even, __m256 odd) {
 // at 1 row, the bound here. Rounded half up with a branch to an exact path on ties: 1.25× on
 // float32-valued rows, 0.75× on bf16-valued ones, whose products tie often: 1.8 % of the
 // products of two randn rows rounded to bf16, 29 % of the lines of 32 hold one.)
+// FINITE: the caller found every operand of the sums finite (finite_operands), so no sum is a
+// NaN and the row's NaN screen is left out (see there).
+template <bool FINITE = false>
 inline void round_line(__m256 s0, __m256 s1, __m256 s2, __m256 s3, const LineRounding& k, __m256i* line) {
   __m256i low = round16_pairs(s0, s1, k), high = round16_pairs(s2, s3, k);
-  const __m256 nans = _mm256_or_ps(_mm256_cmp_ps(s0, s1, _CMP_UNORD_Q), _mm256_cmp_ps(s2, s3, _CMP_UNORD_Q));
-  if (__builtin_expect(!_mm256_testz_ps(nans, nans), 0)) {  // (whole-lane masks: their sign bits)
-    low = quiet_nans(low, s0, s1);
-    high = quiet_nans(high, s2, s3);
+  if constexpr (!FINITE) {
+    const __m256 nans = _mm256_or_ps(_mm256_cmp_ps(s0, s1, _CMP_UNORD_Q), _mm256_cmp_ps(s2, s3, _CMP_UNORD_Q));
+    if (__builtin_expect(!_mm256_testz_ps(nans, nans), 0)) {  // (whole-lane masks: their sign bits)
+      low = quiet_nans(low, s0, s1);
+      high = quiet_nans(high, s2, s3);
+    }
   }
   _mm256_stream_si256(line, low);
   _mm256_stream_si256(line + 1, high);
+}
+
+// Whether the n floats from `values` are all finite (no infinity, no NaN): a weight gradient's
+// operands, screened once so that its lines of sums need no NaN screen each. A sum of products
+// of finite operands formed by FMAs from +0 is never a NaN: a product of two finite values is
+// an exact real, so each step is a finite value rounded (finite or ±infinity on overflow) or,
+// once the sum is ±infinity, that infinity again; and nearest_even_top rounds ±infinity and
+// values rounding past the largest bf16 to ±infinity as round8_to_bf16 does. Why: the screen
+// per line of 32 sums (two compares, an or and a test feeding a branch) held the bf16 weight
+// gradient back by more than its instruction count. ms, screened per line → per operands (8
+// Mixtral experts' gradients in one weight_grad_blocks call, bf16-valued operands, 15
+// interleaved rounds, the same bits, Zen 1 EPYC, 2026-12-06), 7168×1024 at 1 / 2 / 4 / 5 rows
+// 9.76 → 7.87, 11.32 → 9.67, 13.32 → 11.37, 15.32 → 13.81; 1024×3584 5.01 → 4.04, 5.63 → 4.66,
+// 6.82 → 6.11, 7.69 → 7.06. Layer bf16 forward+backward, builds alternated in one process (same
+// bits): Mixtral T = 1 / 16 / 256 0.954× / 0.945× / 0.966× the time (41 / 21 / 7 rounds),
+// fine-grained 0.962× / 0.955× / 0.988× (41 / 31 / 9).
+inline bool finite_operands(const float* values, int64_t n) {
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+  __m256i special = _mm256_setzero_si256();  // lanes whose exponent bits are all set: ±inf, NaN
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+    special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent));
+  }
+  bool finite = _mm256_testz_si256(special, special);
+  for (; i < n && finite; ++i) finite = std::isfinite(values[i]);
+  return finite;
 }
 
 // The first `lanes` of eight sums into c: float32 as they are (masked), bfloat16 rounded.
@@ -1133,7 +1166,7 @@ void product_tile(const float* a_pack, const float* b_pack, int64_t depth, C* c,
 // streaming stores back to back (c's lines 64-byte aligned: the caller checked). a_pack: the
 // tile's packed A at the group's first row (kTileRows floats a step); each panel packed with
 // its even columns first (see pack_b's `pairs`), for round_line.
-template <int ROWS>
+template <int ROWS, bool FINITE>
 void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, int64_t depth, uint16_t* c,
                int64_t ldc) {
   static_assert(1 <= ROWS && ROWS <= 3, "tile");
@@ -1154,18 +1187,25 @@ void line_tile(const float* a_pack, const float* b0_pack, const float* b1_pack, 
   // (opaque: GCC 12 otherwise rebuilt the constants from general registers for every row)
   __asm__("" : "+x"(k.half), "+x"(k.low17), "+x"(k.tie));
   for (int i = 0; i < ROWS; ++i)
-    round_line(acc[i][0], acc[i][1], acc[i][2], acc[i][3], k, reinterpret_cast<__m256i*>(c + i * ldc));
+    round_line<FINITE>(acc[i][0], acc[i][1], acc[i][2], acc[i][3], k, reinterpret_cast<__m256i*>(c + i * ldc));
 }
 
-// `rows` (0–3) rows of c by line_tile (0: nothing).
+// `rows` (0–3) rows of c by line_tile (0: nothing); `finite`: the tile's packed operands are
+// (finite_operands).
+template <bool FINITE>
 inline void line_rows(int64_t rows, const float* a_pack, const float* b0_pack, const float* b1_pack, int64_t depth,
                       uint16_t* c, int64_t ldc) {
   switch (rows) {
-    case 3: line_tile<3>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
-    case 2: line_tile<2>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
-    case 1: line_tile<1>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    case 3: line_tile<3, FINITE>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    case 2: line_tile<2, FINITE>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
+    case 1: line_tile<1, FINITE>(a_pack, b0_pack, b1_pack, depth, c, ldc); break;
     default: break;
   }
+}
+inline void line_rows(bool finite, int64_t rows, const float* a_pack, const float* b0_pack, const float* b1_pack,
+                      int64_t depth, uint16_t* c, int64_t ldc) {
+  if (finite) line_rows<true>(rows, a_pack, b0_pack, b1_pack, depth, c, ldc);
+  else line_rows<false>(rows, a_pack, b0_pack, b1_pack, depth, c, ldc);
 }
 
 // The eight rows r[0..7] as eight columns.
@@ -1351,17 +1391,20 @@ template <bool STREAM, typename C>
 void thin_rows(const Product& p, C* c, int64_t r0, int64_t r1, bool add, const float* b_pack, float* a_pack) {
   const int64_t panels = (p.n + kPanel - 1) / kPanel, full = p.n / kPanel, tail = p.n - full * kPanel;
   const __m256i mask0 = first_lanes(std::min<int64_t>(tail, 8)), mask1 = first_lanes(std::max<int64_t>(tail - 8, 0));
+  constexpr bool kLines = STREAM && std::is_same_v<C, uint16_t>;
+  const bool b_finite = kLines && finite_operands(b_pack, panels * p.k * kPanel);
   for (int64_t row = r0; row < r1; row += kTileRows) {
     const int64_t count = std::min(kTileRows, r1 - row);
     pack_a(p, row, count, 0, p.k, a_pack);
     C* c_row = c + row * p.ldc;
     int64_t q = 0;
-    if constexpr (STREAM && std::is_same_v<C, uint16_t>) {  // whole lines (line_tile), then the rest stored
+    if constexpr (kLines) {  // whole lines (line_tile), then the rest stored
+      const bool finite = b_finite && finite_operands(a_pack, p.k * kTileRows);
       const int64_t upper = std::min<int64_t>(count, 3);  // the tile's rows in two groups of up to 3
       for (; q + 2 <= full; q += 2) {
         const float *b0 = b_pack + q * p.k * kPanel, *b1 = b0 + p.k * kPanel;
-        line_rows(upper, a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc);
-        line_rows(count - upper, a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc);
+        line_rows(finite, upper, a_pack, b0, b1, p.k, c_row + q * kPanel, p.ldc);
+        line_rows(finite, count - upper, a_pack + 3, b0, b1, p.k, c_row + 3 * p.ldc + q * kPanel, p.ldc);
       }
     }
     constexpr bool kStreamTiles = STREAM && std::is_same_v<C, float>;
@@ -2385,7 +2428,7 @@ extern "C" int moe_ffn_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx,
 // alternated in one process, same bits, 41 / 21 rounds): T = 1 bf16 fine-grained 9.1 → 8.3 ms,
 // Mixtral 13.3 → 12.0; fp32 12.2 → 11.3, 18.1 → 17.0; T = 16 bf16 60.3 → 54.4, 69.1 → 68.3 (its
 // blocks mostly of 3–5 rows, not taken); fp32 73.3 → 71.5, 78.7 → 78.2.
-template <int ROWS, bool STREAM, typename X>
+template <int ROWS, bool STREAM, bool FINITE, typename X>
 void gradient_rows(const X* w, int64_t ldw, const float* g, int64_t ldg, float* y, int64_t ldy, const float* a,
                    int64_t lda, const float* b, int64_t ldb, X* G, int64_t ldG, int64_t o0, int64_t o1, int64_t n) {
   constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
@@ -2418,7 +2461,7 @@ void gradient_rows(const X* w, int64_t ldw, const float* g, int64_t ldg, float* 
         for (int v = 0; v < 4; ++v) s[v] = _mm256_fmadd_ps(a_o[r], _mm256_loadu_ps(b + r * ldb + c + 8 * v), s[v]);
       if constexpr (kBf16) {
         if constexpr (STREAM) {
-          round_line(s[0], s[1], s[2], s[3], k, reinterpret_cast<__m256i*>(G_o + c));
+          round_line<FINITE>(s[0], s[1], s[2], s[3], k, reinterpret_cast<__m256i*>(G_o + c));
         } else {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(G_o + c), quiet_nans(round16_pairs(s[0], s[1], k), s[0], s[1]));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(G_o + c + 16),
@@ -2484,10 +2527,18 @@ void gradient_pass(const X* w, int64_t w_expert, int64_t ldw, const float* g, in
         const X* w_e = w + e * w_expert;
         X* G_e = G + e * G_expert;
         const float *g_b = g + start * ldg, *a_b = a + start * lda, *b_b = b_read + start * ldb_read;
-        auto run = [&](auto rows_c) {  // (ROWS 1 or 2, streamed or stored)
+        // (the part's operands of G's sums: a's columns [o0, o1) and b, each row of the block)
+        bool finite = kBf16 && stream;
+        for (int64_t r = 0; r < rows && finite; ++r)
+          finite = finite_operands(a_b + r * lda + o0, o1 - o0) && finite_operands(b_b + r * ldb_read, n);
+        auto run = [&](auto rows_c) {  // (ROWS 1 or 2, streamed or stored; operands finite)
           constexpr int kRows = decltype(rows_c)::value;
-          if (stream) gradient_rows<kRows, true>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
-          else gradient_rows<kRows, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
+          if (finite)
+            gradient_rows<kRows, true, true>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
+          else if (stream)
+            gradient_rows<kRows, true, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
+          else
+            gradient_rows<kRows, false, false>(w_e, ldw, g_b, ldg, y_b, ldy_b, a_b, lda, b_b, ldb_read, G_e, ldG, o0, o1, n);
         };
         if (rows == 1) run(std::integral_constant<int, 1>{});
         else run(std::integral_constant<int, 2>{});

@@ -631,6 +631,58 @@ def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, 
     assert not wrong, [(r, c, hex(patterns[c].item() & 0xFFFFFFFF), hex(got[r, c]), hex(expected[c])) for r, c in wrong[:8]]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("M", [526, 527])
+@pytest.mark.parametrize("entry", ["weight_grad_into", "weight_grad_blocks"])
+@pytest.mark.parametrize("nan_in_a", [False, True], ids=["finite", "nan-in-a"])
+def test_bf16_weight_grad_lines_of_finite_operands_round_as_by_hand(rows, M, entry, nan_in_a):
+    """Where a line tile's operands are all finite, its lines skip the NaN screen (the kernel's
+    finite_operands): then every finite sum and every sum that overflows still rounds to its
+    nearest-even bf16, bit for bit. b's first row holds the finite rounding and edge cases and
+    random finite bit patterns (its other rows -0.0); a's rows are ones but for the last row
+    of G, scaled by 2^100 (sums past the largest float32 there: ±infinity from finite
+    operands), so G[m] is a[0, m]·b[0] rounded to float32, then to bf16. With `nan_in_a`, one
+    row of G (5) has a NaN in a: its tile takes the screen and that row is all 0x7FC0, the
+    other tiles not (a build that screens b alone fails here)."""
+    _needs_kernel()
+    N = 1024
+    torch.manual_seed(rows * M + nan_in_a)
+    patterns = torch.randint(-(2**31), 2**31, (N,), dtype=torch.int32)
+    patterns[(patterns & 0x7F800000) == 0x7F800000] ^= 0x00800000  # (no infinities, no NaNs)
+    finite_edges = [v for v in BF16_EDGE_CASES if v & 0x7F800000 != 0x7F800000]
+    patterns[:160] = torch.randn(160).view(torch.int32)
+    patterns[: len(BF16_ROUNDING_CASES)] = _int32(BF16_ROUNDING_CASES)
+    patterns[32 : 32 + len(finite_edges)] = _int32(finite_edges)
+    patterns[N - 32 :] = _int32(BF16_ROUNDING_CASES[:16] + finite_edges[:4] + [0x40000000] * 12).flip(0)
+    b = torch.full((rows, N), -0.0)
+    b[0] = patterns.view(torch.float32)
+    assert b.isfinite().all()
+    a = torch.ones(rows, M)
+    a[:, M - 1] = 2.0**100
+    if nan_in_a:  # (a negative NaN of the widest payload: its bits + 0x8000 would carry into the sign)
+        a[0, 5] = _int32([0xFFFFFFFF]).view(torch.float32)[0]
+    sums = a[0].unsqueeze(1) * b[0] + 0.0  # [M, N]: a[0, m]·b[0, n] rounded to float32 (-0.0 as +0.0)
+    assert sums[M - 1].isinf().sum() > 100 and sums[M - 1].isfinite().sum() > 100
+    expected = torch.tensor(_bf16_bits_by_hand(sums[0]), dtype=torch.int32).repeat(M, 1)  # (rows of ones alike)
+    for m in (5, M - 1):
+        expected[m] = torch.tensor(_bf16_bits_by_hand(sums[m]), dtype=torch.int32)
+    if entry == "weight_grad_into":
+        out = torch.full((M, N), 7.0).bfloat16()
+        assert out.data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_into(out, a.t(), b)
+    else:
+        grads = torch.full((2, M, N), 7.0).bfloat16()
+        assert grads[1].data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_blocks(grads, a, b, [(1, 0, rows)], [False])
+        assert bool((grads[0] == 7).all())
+        out = grads[1]
+    got = out.view(torch.int16).int() & 0xFFFF
+    if nan_in_a:
+        assert (expected[5] == 0x7FC0).all()
+    wrong = (got != expected).nonzero().tolist()
+    assert not wrong, [(r, c, hex(patterns[c].item() & 0xFFFFFFFF), hex(got[r, c]), hex(expected[r, c])) for r, c in wrong[:8]]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40, _small_gemm.WEIGHT_GRAD_MAX_ROWS])
 @pytest.mark.parametrize("shape", [(512, 1024), (600, 904)])
 def test_weight_grad_streamed_past_the_caches_matches_float64(rows, shape):
@@ -1604,6 +1656,94 @@ def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch
         scale = max(1.0, float(b.abs().max()))
         bound = 2e-5 * scale if dtype == torch.float32 else 6 * 2.0**-8 * scale
         assert float((got[name].double() - b).abs().max()) <= bound, name
+
+
+@pytest.mark.parametrize("T", [1, 8], ids=["one-row", "more-rows"])
+@pytest.mark.parametrize("where", ["grad", "input"])
+def test_bf16_layer_backward_in_one_call_rounds_nan_gradients_as_the_loops(monkeypatch, T, where):
+    """A NaN in the output gradient or in the input (a negative one of the widest payload,
+    whose bits + 0x8000 would carry into the sign) through a bf16 layer's decode-sized
+    backward in one call: the gradients bit for bit what grouped._ffn_backward's loop makes
+    with that call switched off; in the expert weights' gradients every NaN 0x7FC0 (as
+    c10::BFloat16 rounds a float32 NaN) and some entries finite; with the NaN in the output
+    gradient, NaN exactly where the float64 per-token loop has one (a NaN input's router
+    scores rank the experts apart from float64's). T = 1: blocks of one row (the one pass over
+    each weight's rows); T = 8: blocks of 3+ rows (the calls' line tiles). (The weight
+    gradients' lines skip their NaN screen where their operands are finite; the kernel-level
+    tests below and above pin that screen down.)"""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    from moe_ffn import _amx, grouped
+
+    monkeypatch.setattr(_amx, "available", lambda: False)
+    monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
+    D, F, E, K = 1024, 512, 4, 2
+    torch.manual_seed(T)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    special = g if where == "grad" else x
+    special.view(torch.int16)[0, 3] = -1  # 0xFFFF: a negative NaN, all payload bits set
+    assert special[0, 3].isnan()
+    real, ran = _small_gemm.routed_swiglu_backward_blocks, []
+
+    def recorded(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    def grads(one_call: bool):
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])
+
+    together, apart = grads(True), grads(False)
+    assert ran == [True]
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
+    for name, a, b, r in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), together, apart, ref):
+        bits = a.view(torch.int16)
+        assert torch.equal(bits, b.view(torch.int16)), name
+        assert a.isnan().any(), name
+        if where == "grad":
+            assert torch.equal(a.isnan(), r.isnan()), name
+        if name.startswith("experts"):  # (the kernel's lines; torch's vector ops round a NaN to 0xFFFF)
+            assert a.isfinite().any() and (bits[a.isnan()] == 0x7FC0).all(), name
+
+
+@pytest.mark.parametrize("T", [2, 8], ids=["1-2-rows", "3+-rows"])
+def test_bf16_backward_in_one_call_quiets_a_nan_input_in_the_first_weights_gradient(monkeypatch, T):
+    """routed_swiglu_backward_blocks on bf16 tensors, with a NaN in x at column 3 of token 0 (a
+    negative one of the widest payload, whose bits + 0x8000 would carry into the sign) and the
+    forward's h finite: exactly column 3 of the first weight's gradient of token 0's experts
+    turns NaN, each 0x7FC0 (as c10::BFloat16 rounds a float32 NaN), and every other bit of
+    every gradient is that of the same call with a finite x there. That column's sums are
+    finite h-side terms times the NaN as it came, which the lines whose operands are all
+    finite would round to 0xFFFF: their screen (finite_operands in the kernel) must see it — in
+    the one pass over the weight's rows (T = 2: blocks of 1–2 rows) and in the weight
+    gradient's line tiles (T = 8: blocks of 3+ rows), both streamed (1024 × 1024)."""
+    _needs_kernel()
+    _avx2_kernels(monkeypatch)
+    torch.manual_seed(T)
+    E, D, F, K = 4, 1024, 512, 2
+    x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F, dtype=torch.bfloat16, pad=0)
+    h = torch.randn(token.shape[0], 2 * F).bfloat16()
+    g = torch.randn(T + 1, D).bfloat16()
+
+    def call(x):
+        grads = (torch.empty_like(x), torch.full_like(w1, 7), torch.full_like(w2, 7), torch.empty(token.shape[0]))
+        assert _small_gemm.routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks)
+        return [t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32) for t in grads]
+
+    finite = call(x)
+    x.view(torch.int16)[0, 3] = -1  # 0xFFFF
+    assert x[0, 3].isnan()
+    got = call(x)
+    hit = sorted(set(expert[token == 0].tolist()))
+    assert len(hit) == K and any(stop - start > (2 if T > 2 else 0) for e, start, stop in blocks if e in hit)
+    assert (got[1][hit, :, 3] == 0x7FC0).all()
+    got[1][hit, :, 3] = finite[1][hit, :, 3]
+    for name, a, b in zip(("x", "w1", "w2", "weight"), got, finite):
+        assert torch.equal(a, b), name
 
 
 def test_routed_swiglu_backward_blocks_declines_what_the_calls_would_not_take(monkeypatch):
