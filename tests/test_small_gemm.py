@@ -589,6 +589,24 @@ def _int32(values: list[int]) -> torch.Tensor:
     return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
 
 
+def _bf16_weight_grad_line_bits(entry: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """aᵀ·b [M, N] into a bf16 gradient whose lines are 64-byte aligned (streamed whole lines)
+    through `weight_grad_into` or `weight_grad_blocks` (expert 1 of 2, expert 0 untouched), as
+    its bf16 bits (int32, 0–0xFFFF)."""
+    (rows, M), N = a.shape, b.shape[1]
+    if entry == "weight_grad_into":
+        out = torch.full((M, N), 7.0).bfloat16()
+        assert out.data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_into(out, a.t(), b)
+    else:
+        grads = torch.full((2, M, N), 7.0).bfloat16()
+        assert grads[1].data_ptr() % 64 == 0
+        assert _small_gemm.weight_grad_blocks(grads, a, b, [(1, 0, rows)], [False])
+        assert bool((grads[0] == 7).all())
+        out = grads[1]
+    return out.view(torch.int16).int() & 0xFFFF
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("M", [526, 527])
 @pytest.mark.parametrize("entry", ["weight_grad_into", "weight_grad_blocks"])
@@ -616,17 +634,7 @@ def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, 
     b[0] = patterns.view(torch.float32)
     a = torch.ones(rows, M)
     expected = torch.tensor(_bf16_bits_by_hand(b[0] + 0.0), dtype=torch.int32)
-    if entry == "weight_grad_into":
-        out = torch.full((M, N), 7.0).bfloat16()
-        assert out.data_ptr() % 64 == 0
-        assert _small_gemm.weight_grad_into(out, a.t(), b)
-    else:
-        grads = torch.full((2, M, N), 7.0).bfloat16()
-        assert grads[1].data_ptr() % 64 == 0
-        assert _small_gemm.weight_grad_blocks(grads, a, b, [(1, 0, rows)], [False])
-        assert bool((grads[0] == 7).all())
-        out = grads[1]
-    got = out.view(torch.int16).int() & 0xFFFF
+    got = _bf16_weight_grad_line_bits(entry, a, b)
     wrong = (got != expected).nonzero().tolist()
     assert not wrong, [(r, c, hex(patterns[c].item() & 0xFFFFFFFF), hex(got[r, c]), hex(expected[c])) for r, c in wrong[:8]]
 
@@ -666,17 +674,7 @@ def test_bf16_weight_grad_lines_of_finite_operands_round_as_by_hand(rows, M, ent
     expected = torch.tensor(_bf16_bits_by_hand(sums[0]), dtype=torch.int32).repeat(M, 1)  # (rows of ones alike)
     for m in (5, M - 1):
         expected[m] = torch.tensor(_bf16_bits_by_hand(sums[m]), dtype=torch.int32)
-    if entry == "weight_grad_into":
-        out = torch.full((M, N), 7.0).bfloat16()
-        assert out.data_ptr() % 64 == 0
-        assert _small_gemm.weight_grad_into(out, a.t(), b)
-    else:
-        grads = torch.full((2, M, N), 7.0).bfloat16()
-        assert grads[1].data_ptr() % 64 == 0
-        assert _small_gemm.weight_grad_blocks(grads, a, b, [(1, 0, rows)], [False])
-        assert bool((grads[0] == 7).all())
-        out = grads[1]
-    got = out.view(torch.int16).int() & 0xFFFF
+    got = _bf16_weight_grad_line_bits(entry, a, b)
     if nan_in_a:
         assert (expected[5] == 0x7FC0).all()
     wrong = (got != expected).nonzero().tolist()
