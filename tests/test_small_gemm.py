@@ -1607,6 +1607,25 @@ def test_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, 
     assert ((out.double() - ref).abs() <= 4 * 2.0**-8 * scale).all()
 
 
+def _backward_with_and_without_one_call(monkeypatch, moe, x, g):
+    """(together, apart, ran): [y, x's gradient, each parameter's] of one forward+backward with
+    routed_swiglu_backward_blocks as it is and one with it declining (grouped._ffn_backward's
+    loop), and what the kernel's call returned each time the first step made it."""
+    real, ran = _small_gemm.routed_swiglu_backward_blocks, []
+
+    def recorded(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    def step(one_call: bool):
+        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return [y, *torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])]
+
+    return step(True), step(False), ran
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D, F, E, K, T", [
     (64, 48, 8, 2, 1), (64, 64, 8, 2, 3), (64, 64, 16, 4, 5), (64, 48, 6, 2, 9), (1024, 512, 4, 2, 1), (1024, 512, 3, 2, 2),
@@ -1629,19 +1648,7 @@ def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch
     torch.manual_seed(10 * T + K)
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
     x, g = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
-    real, ran = _small_gemm.routed_swiglu_backward_blocks, []
-
-    def recorded(*args):
-        ran.append(real(*args))
-        return ran[-1]
-
-    def step(one_call: bool):
-        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
-        leaf = x.clone().requires_grad_()
-        y = moe(leaf)
-        return [y, *torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])]
-
-    together, apart = step(True), step(False)
+    together, apart, ran = _backward_with_and_without_one_call(monkeypatch, moe, x, g)
     assert ran == [True]
     names = ["y", "x", *(name for name, _ in moe.named_parameters())]
     for name, a, b in zip(names, together, apart):
@@ -1682,19 +1689,7 @@ def test_bf16_layer_backward_in_one_call_rounds_nan_gradients_as_the_loops(monke
     special = g if where == "grad" else x
     special.view(torch.int16)[0, 3] = -1  # 0xFFFF: a negative NaN, all payload bits set
     assert special[0, 3].isnan()
-    real, ran = _small_gemm.routed_swiglu_backward_blocks, []
-
-    def recorded(*args):
-        ran.append(real(*args))
-        return ran[-1]
-
-    def grads(one_call: bool):
-        monkeypatch.setattr(_small_gemm, "routed_swiglu_backward_blocks", recorded if one_call else (lambda *a: False))
-        leaf = x.clone().requires_grad_()
-        y = moe(leaf)
-        return torch.autograd.grad((y * g).sum(), [leaf, *moe.parameters()])
-
-    together, apart = grads(True), grads(False)
+    (_, *together), (_, *apart), ran = _backward_with_and_without_one_call(monkeypatch, moe, x, g)
     assert ran == [True]
     leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
