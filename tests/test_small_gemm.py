@@ -589,10 +589,12 @@ def _int32(values: list[int]) -> torch.Tensor:
     return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
 
 
-def _bf16_weight_grad_line_bits(entry: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _bf16_weight_grad_line_bits(monkeypatch, entry: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """aᵀ·b [M, N] into a bf16 gradient whose lines are 64-byte aligned (streamed whole lines)
     through `weight_grad_into` or `weight_grad_blocks` (expert 1 of 2, expert 0 untouched), as
-    its bf16 bits (int32, 0–0xFFFF)."""
+    its bf16 bits (int32, 0–0xFFFF). The AVX2 kernel's entry points on any CPU (on AVX-512
+    CPUs the layer hands these gradients to other kernels, and `weight_grad_blocks` declines)."""
+    _avx2_kernels(monkeypatch)
     (rows, M), N = a.shape, b.shape[1]
     if entry == "weight_grad_into":
         out = torch.full((M, N), 7.0).bfloat16()
@@ -610,7 +612,7 @@ def _bf16_weight_grad_line_bits(entry: str, a: torch.Tensor, b: torch.Tensor) ->
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("M", [526, 527])
 @pytest.mark.parametrize("entry", ["weight_grad_into", "weight_grad_blocks"])
-def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, entry):
+def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(monkeypatch, rows, M, entry):
     """The streamed lines of a bf16 weight gradient (rounded half up where no sum of a line's
     32 is a tie or a NaN, else exactly: round_line in _small_gemm.cpp) give each float32 sum's
     nearest-even bf16, NaN as 0x7FC0, bit for bit: a's rows are ones and b's first row holds
@@ -634,7 +636,7 @@ def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, 
     b[0] = patterns.view(torch.float32)
     a = torch.ones(rows, M)
     expected = torch.tensor(_bf16_bits_by_hand(b[0] + 0.0), dtype=torch.int32)
-    got = _bf16_weight_grad_line_bits(entry, a, b)
+    got = _bf16_weight_grad_line_bits(monkeypatch, entry, a, b)
     wrong = (got != expected).nonzero().tolist()
     assert not wrong, [(r, c, hex(patterns[c].item() & 0xFFFFFFFF), hex(got[r, c]), hex(expected[c])) for r, c in wrong[:8]]
 
@@ -643,7 +645,7 @@ def test_bf16_weight_grad_lines_round_every_kind_of_float32_as_by_hand(rows, M, 
 @pytest.mark.parametrize("M", [526, 527])
 @pytest.mark.parametrize("entry", ["weight_grad_into", "weight_grad_blocks"])
 @pytest.mark.parametrize("nan_in_a", [False, True], ids=["finite", "nan-in-a"])
-def test_bf16_weight_grad_lines_of_finite_operands_round_as_by_hand(rows, M, entry, nan_in_a):
+def test_bf16_weight_grad_lines_of_finite_operands_round_as_by_hand(monkeypatch, rows, M, entry, nan_in_a):
     """Where a line tile's operands are all finite, its lines skip the NaN screen (the kernel's
     finite_operands): then every finite sum and every sum that overflows still rounds to its
     nearest-even bf16, bit for bit. b's first row holds the finite rounding and edge cases and
@@ -674,7 +676,7 @@ def test_bf16_weight_grad_lines_of_finite_operands_round_as_by_hand(rows, M, ent
     expected = torch.tensor(_bf16_bits_by_hand(sums[0]), dtype=torch.int32).repeat(M, 1)  # (rows of ones alike)
     for m in (5, M - 1):
         expected[m] = torch.tensor(_bf16_bits_by_hand(sums[m]), dtype=torch.int32)
-    got = _bf16_weight_grad_line_bits(entry, a, b)
+    got = _bf16_weight_grad_line_bits(monkeypatch, entry, a, b)
     if nan_in_a:
         assert (expected[5] == 0x7FC0).all()
     wrong = (got != expected).nonzero().tolist()
@@ -2257,10 +2259,12 @@ def test_bf16_layer_forward_runs_on_the_kernel_and_matches_float64(monkeypatch):
     declining, all blocks in one call per projection (linear_blocks): the same bits; the output
     within bf16 rounding of the float64 loop. (On CPUs with AMX the AMX kernel would take most
     of these blocks first: switched off here, see test_amx.py; on CPUs with bf16 units the
-    kernel takes only 1–2-row blocks: widened here.)"""
+    kernel takes only 1–2-row blocks: widened here; on CPUs with AVX512-BF16 their bf16
+    forward kernel takes the blocks first: switched off, see _needs_bf16_blocks' tests.)"""
     _needs_kernel()
     from moe_ffn import _amx, grouped
 
+    _avx2_kernels(monkeypatch)
     monkeypatch.setattr(_amx, "available", lambda: False)
     monkeypatch.setattr(grouped, "_cpu_has_matrix_units", lambda dtype: False)
     ran = {}
