@@ -103,14 +103,20 @@ inline void store16(bf16_t* at, __m512 v) {
 inline void store16(float* at, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(at, lanes, v); }
 inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_epi16(at, lanes, to_bf16(v)); }
 
-template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, typename TA,
-          typename TB, typename TC>
+// With AHEAD, each step prefetches the tile's part of b's row AHEAD steps on into L2.
+template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, int AHEAD = 0,
+          typename TA, typename TB, typename TC>
 void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc, int64_t k, __mmask16 last) {
   static_assert(!ACCUMULATE || sizeof(TC) == 4, "a bf16 result is rounded once, never added to");
   __m512 acc[ROWS][VECS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < k; ++s) {
+    if constexpr (AHEAD > 0) {
+      if (s + AHEAD < k)
+        for (int l = 0; l < VECS * 16 * int(sizeof(TB)); l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + AHEAD * ldb) + l, _MM_HINT_T1);
+    }
     __m512 b_s[VECS];
     for (int j = 0; j < VECS; ++j)
       b_s[j] = MASKED && j + 1 == VECS ? load16(b + 16 * j, last) : load16(b + 16 * j);
@@ -311,10 +317,16 @@ void matmul_pass(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, 
 // weights one row each in one call (9 rounds), 64 → 256 columns: Mixtral's 7168×1024 29.7 →
 // 55.2, 1024×3584 31.4 → 49.3, the fine-grained 1024×1024 29.4 → 40.5, 1024×512 34.6 → 51.1;
 // 128 columns in between (37.5 / 47.0 / 35.7 / 46.0), 384 behind (its 24 accumulators spill).
+// Each step prefetches the row kOneRowAhead steps on into L2: on the Zen 4 EPYC (2026-12-06),
+// layer forward+backward at T = 1 with the weights out of the caches (three layers in turn, 9
+// rounds, same bits), against none: bf16 Mixtral 0.85–0.90×, fine 0.92–0.96×, fp32 Mixtral
+// 0.95× (8 rows ahead 0.92–0.93×, 32 level with 16, 64 0.87–0.97×; 4 rows into L1 0.96–0.98×).
+constexpr int kOneRowAhead = 16;
 template <bool A_ROWS, typename P>
 int64_t one_row_panels(const P& p, const float* a, decltype(P::c) c, int64_t first, int64_t last_column) {
   for (; first + 256 <= last_column; first += 256)
-    tile<1, 16, false, false, false, A_ROWS>(a, p.lda, p.b + first, p.ldb, c + first, p.ldc, p.k, 0xFFFF);
+    tile<1, 16, false, false, false, A_ROWS, kOneRowAhead>(a, p.lda, p.b + first, p.ldb, c + first, p.ldc, p.k,
+                                                           0xFFFF);
   return first;
 }
 
@@ -858,7 +870,7 @@ void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, 
     __m512bh w_k[COLS];
     for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
     for (int j = 0; j < next_rows; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(next + j * p.ldw + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + j * p.ldw + k), _MM_HINT_T1);
     for (int i = 0; i < ROWS; ++i) {
       const __m512bh x_k = pairs(x + i * p.ldx + k);
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
@@ -889,7 +901,7 @@ void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, 
 }
 
 // The strip's first tile (the one that reads its rows of w from memory) prefetches the next
-// strip's rows, `next_rows` of them, line by line as it reads its own.
+// strip's rows, `next_rows` of them, line by line as it reads its own, into L2.
 template <int COLS>
 void dot_strip(const LinearBf16& p, int64_t o, int next_rows) {
   const bf16_t* w = p.w + o * p.ldw;
@@ -907,18 +919,18 @@ void dot_strip(const LinearBf16& p, int64_t o, int next_rows) {
   }
 }
 
-// w's rows [first, last) in strips of 6, each prefetching the next's rows of w where x has at
-// least kDotPrefetchRows rows. Per product (GFLOP/s, 8 or 64 weights of the benchmark's shapes,
-// two runs): 8 rows 167–285 → 232–330, 16 rows 260–353 → 367–480; 4 rows 109–190 → 122–202 and
-// 1 row level or behind, and in the layer's forward from 2 or 4 rows T = 16 read 0.95–0.98×
-// (blocks of 2–4 rows): from 8 rows only. Layer forward (9 rounds) T = 32 / 64 / 128 Mixtral
-// 1.141 / 1.038 / 0.983×, fine 1.039 / 1.164 / 1.102× (Mixtral T = 128: outer products).
-constexpr int64_t kDotPrefetchRows = 8;
-
+// w's rows [first, last) in strips of 6, each prefetching the next's rows of w. On the Zen 5
+// EPYC (2026-12-03), prefetching into L1: per product (GFLOP/s, 8 or 64 weights of the
+// benchmark's shapes, two runs) 8 rows 167–285 → 232–330, 16 rows 260–353 → 367–480; 4 rows
+// 109–190 → 122–202 and 1 row level or behind, and in the layer's forward from 2 or 4 rows T =
+// 16 read 0.95–0.98× (blocks of 2–4 rows): from 8 rows only then. On the Zen 4 EPYC (2026-12-06) the decode forward read its weights at 20–23 GB/s
+// where a plain sum reads 50: prefetching into L2 from one row on, layer bf16 forward with its
+// weights out of the caches (three layers in turn, 7 rounds, same bits), T = 1 / 4 / 16:
+// Mixtral 0.88 / – / 0.71×, fine 0.81 / 0.80 / 0.65×; into L1 from one row 1.03–1.05× (the
+// prefetches' misses hold the L1 fill buffers the tile's own loads need); two to four strips
+// ahead instead of one: level (0.87–0.91× and 0.78–0.82× at T = 1). Not re-measured on Zen 5.
 void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
-  auto ahead = [&](int64_t o) {
-    return p.rows < kDotPrefetchRows ? 0 : static_cast<int>(std::min<int64_t>(6, std::max<int64_t>(0, last - o)));
-  };
+  auto ahead = [&](int64_t o) { return static_cast<int>(std::min<int64_t>(6, std::max<int64_t>(0, last - o))); };
   int64_t o = first;
   for (; o + 6 <= last; o += 6) dot_strip<6>(p, o, ahead(o + 6));
   switch (last - o) {
@@ -1112,7 +1124,8 @@ using InputGradBf16 = MatmulOf<bf16_t, bf16_t, bf16_t>;
 // past `last` zero) `panel_words` apart: panel i holds [p·width + c] = (src[r0 + 2p, q + c],
 // src[r0 + 2p + 1, q + c]) for q = first + i·width. Each row is read across the whole range at
 // once (a panel at a time read 128 bytes of each row, 2 KiB apart, and spent more time than the
-// products: perf, 32-row blocks), the rows kPackAhead pairs on prefetched (src comes from memory).
+// products: perf, 32-row blocks), the rows kPackAhead pairs on prefetched (src comes from memory)
+// into L2 (see RowLines).
 void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_t first, int64_t last, int64_t width,
                 int64_t panel_words, uint32_t* panels) {
   const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -1124,8 +1137,8 @@ void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_
     const bool has_odd = 2 * pr + 1 < depth;
     if (2 * (pr + kPackAhead) + 1 < depth)
       for (int64_t q = first; q < last; q += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * ld + q), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * ld + q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * ld + q), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * ld + q), _MM_HINT_T1);
       }
     for (int64_t q = first; q < end; q += 32) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, last - q));
@@ -1144,13 +1157,18 @@ void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_
 // per call of step(), one per pair step of the tiles: the next chunk's rows (or the next
 // block's first chunk) come in while this chunk's products run, where they came in only as the
 // next chunk was packed (per product, one call for all experts: 16 rows 249–327 → 268–431
-// GFLOP/s, 32 rows 380–467 → 468–607, 64 rows 501–635 → 584–751).
+// GFLOP/s, 32 rows 380–467 → 468–607, 64 rows 501–635 → 584–751; Zen 5 EPYC, into L1). Both
+// these and pack_pairs' prefetch into L2: on the Zen 4 EPYC (2026-12-06), layer bf16
+// forward+backward with the weights out of the caches (three layers in turn, 11 rounds, same
+// bits), T = 16 Mixtral 0.83×, fine 0.86× against prefetches into L1 (T = 256 1.00 / 0.92×,
+// T = 1 level: its 1-row blocks take the widening kernel); the L1 prefetches' misses held the
+// fill buffers the packing's own loads need. Not re-measured on Zen 5.
 struct RowLines {
   const char* at = nullptr;
   int64_t ld = 0, bytes = 0, offset = 0, rows = 0;
   void step() {
     if (rows == 0) return;
-    _mm_prefetch(at + offset, _MM_HINT_T0);
+    _mm_prefetch(at + offset, _MM_HINT_T1);
     offset += 64;
     if (offset >= bytes) {
       offset = 0;
