@@ -1244,7 +1244,8 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 @functools.lru_cache(maxsize=None)
 def _bf16_blocks_entry_points():
     """The bf16 blocks entry points (input gradient, weight gradient, forward, input gradient on
-    packed panels, weight gradient on packed pairs) where they run: torch at AVX512 on a CPU
+    packed panels, weight gradient on packed pairs, both gradients of one-row blocks) where they
+    run: torch at AVX512 on a CPU
     with AVX512-BF16 and no AMX (AMX CPUs: _amx's kernels), the AVX-512 kernels built and
     ready; else None."""
     if not (
@@ -1255,18 +1256,19 @@ def _bf16_blocks_entry_points():
     points = _ready_entry_points(
         "moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_input_grad_blocks_bf16", "moe_ffn_avx512_weight_grad_blocks_bf16",
         "moe_ffn_avx512_linear_blocks_bf16", "moe_ffn_avx512_input_grad_blocks_bf16_packed",
-        "moe_ffn_avx512_weight_grad_blocks_bf16_packed",
+        "moe_ffn_avx512_weight_grad_blocks_bf16_packed", "moe_ffn_avx512_one_row_gradients_bf16",
     )
     if points is None:
         return None
-    input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed = points
+    input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed, one_row = points
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     team = [c_int, ptr, ptr, ptr]
     blocks_args = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64] + team
     input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
     weight_grads_args = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
     weight_grad.argtypes = weight_grad_packed.argtypes = weight_grads_args
-    return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed
+    one_row.argtypes = [ptr, i64] * 3 + [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, c_int] + team
+    return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed, one_row
 
 
 def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
@@ -1320,6 +1322,44 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
             found[0][3], large, [False] * len(large), g.data_ptr(), g.stride(0), *weight, out.data_ptr(),
             out.stride(0), O, I, torch.get_num_threads(), *found[1],
         )
+    return True
+
+
+def bf16_one_row_gradients(
+    y: Tensor, grad_EOI: Tensor, g: Tensor, a: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
+) -> bool:
+    """For every block (e, r, r + 1) of one row: y[r] = g[r]·w_EOI[e] and grad_EOI[e] =
+    a[r]ᵀ·b[r] (written over), all bf16, in one pass over each weight (the kernel's
+    one_row_gradients: w's rows read once, the gradient's rows written as they are read), the
+    same bits as `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks. g and
+    a [rows, O] (may be the same tensor), b, y [rows, I]. Returns whether it ran (when False,
+    nothing is written): AVX512-BF16 CPUs without AMX, every block of one row."""
+    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and w_EOI.dtype == torch.bfloat16 and grad_EOI.dim() == 3
+            and grad_EOI.stride(2) == 1 and all(stop - start == 1 for _, start, stop in blocks)):
+        return False
+    found = _bf16_blocks_kernel((g, a, b), grad_EOI, blocks, most=1)
+    if found is None or y.dtype != torch.bfloat16 or not (_writable_rows(y) and _rows_contiguous(b)):
+        return False
+    E, O, I = w_EOI.shape
+    rows = g.shape[0]
+    if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
+        raise ValueError(f"bf16_one_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
+    _check_blocks("bf16_one_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+    stream = (
+        O * I >= _BF16_STREAM_ELEMENTS and grad_EOI.data_ptr() % 64 == 0
+        and grad_EOI.stride(0) % 32 == 0 and grad_EOI.stride(1) % 32 == 0
+    )
+    g32 = g.float()  # (one row: broadcast from float32, as the two calls widen theirs)
+    a32 = g32 if a is g else a.float()
+    table, address, count = _block_table(blocks)
+    status = found[0][5](
+        g32.data_ptr(), g32.stride(0), a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), w_EOI.data_ptr(), E,
+        w_EOI.stride(0), w_EOI.stride(1), y.data_ptr(), y.stride(0), grad_EOI.data_ptr(), grad_EOI.stride(0),
+        grad_EOI.stride(1), address, count, O, I, int(stream), torch.get_num_threads(), *found[1],
+    )
+    if status != 0:
+        raise RuntimeError(f"moe_ffn_avx512_one_row_gradients_bf16: the kernel failed on {len(blocks)} blocks")
     return True
 
 

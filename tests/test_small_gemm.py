@@ -1283,6 +1283,60 @@ def test_bf16_weight_grad_rounds_whole_panels_as_torch_does(N, K):
     assert bool((out[0] == 7).all())
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 70), (300, 200), (64, 1000), (40, 1024), (512, 3584)])
+def test_bf16_one_row_gradients_are_the_two_calls_bit_for_bit(shape):
+    """bf16_one_row_gradients (each of w's rows read once for both gradients of one-row blocks):
+    y[r] = g[r]·w_e within one bf16 rounding of the float64 product, and grad_e[o, i] the float32
+    product a[r, o]·b[r, i] rounded to bf16 (by hand: torch's own rounding of it); both bit for
+    bit what bf16_input_grad_blocks and bf16_weight_grad_blocks write for these blocks, NaNs
+    included (one in a and one in w), on one thread too. Shapes: whole panels of 256 columns,
+    the columns past them (a 64-column tile, fewer than 64), streamed gradients ((40, 1024),
+    (512, 3584)) and not; rows of y outside the blocks and experts without one untouched."""
+    _needs_bf16_blocks()
+    O, I = shape
+    torch.manual_seed(O + I)
+    E, rows = 4, 6
+    w = torch.randn(E, O, I).bfloat16()
+    g, a, b = torch.randn(rows, O).bfloat16(), torch.randn(rows, O).bfloat16(), torch.randn(rows, I).bfloat16()
+    blocks = [(3, 0, 1), (0, 2, 3), (1, 5, 6)]
+    if O > 3 and I > 3:
+        a[2, 3] = float("nan")  # (row 3 of expert 0's gradient all NaN)
+        w[1, O - 1, 2] = float("nan")  # (column 2 of y's row 5 NaN)
+    got_y, got_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
+    assert _small_gemm.bf16_one_row_gradients(got_y, got_w, g, a, b, w, blocks)
+    for e, r, _ in blocks:
+        exact = g[r].double() @ w[e].double()
+        _bf16_within_one_rounding(got_y[r].nan_to_num(0.0), exact.nan_to_num(0.0), _bound(g[r].double().abs(), w[e].double().abs().nan_to_num(0.0), O))
+        by_hand = (a[r].float()[:, None] * b[r].float()[None, :]).bfloat16()
+        assert torch.equal(got_w[e].isnan(), by_hand.isnan()) and torch.equal(got_w[e].nan_to_num(0.0), by_hand.nan_to_num(0.0))
+    assert bool((got_y[[1, 3, 4]] == 7).all()) and bool((got_w[2] == 7).all())
+    two_y, two_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
+    assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
+    assert _small_gemm.bf16_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks))
+    one_y, one_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
+    assert _on_one_thread(lambda: _small_gemm.bf16_one_row_gradients(one_y, one_w, g, a, b, w, blocks))
+    for t in (two_y, one_y):
+        assert torch.equal(got_y.view(torch.int16), t.view(torch.int16))
+    for t in (two_w, one_w):
+        assert torch.equal(got_w.view(torch.int16), t.view(torch.int16))
+
+
+def test_bf16_one_row_gradients_decline_what_they_do_not_take():
+    """A block of two rows, float32 tensors: False, nothing written; shapes that do not fit: an
+    error naming them."""
+    _needs_bf16_blocks()
+    w = torch.randn(2, 24, 40).bfloat16()
+    g, b = torch.randn(3, 24).bfloat16(), torch.randn(3, 40).bfloat16()
+    y, grads = torch.full((3, 40), 7.0).bfloat16(), torch.full((2, 24, 40), 7.0).bfloat16()
+    assert not _small_gemm.bf16_one_row_gradients(y, grads, g, g, b, w, [(0, 0, 1), (1, 1, 3)])
+    assert not _small_gemm.bf16_one_row_gradients(y.float(), grads.float(), g.float(), g.float(), b.float(), w.float(), [(0, 0, 1)])
+    assert bool((y == 7).all()) and bool((grads == 7).all())
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.bf16_one_row_gradients(y[:, :20], grads, g, g, b, w, [(0, 0, 1)])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.bf16_one_row_gradients(y, grads, g, g, b, w, [(2, 0, 1)])  # no expert 2
+
+
 def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     """Blocks past the kernels' most rows, a block accumulating, float32 tensors: False, nothing
     written; shapes that do not fit: an error naming them."""
@@ -1663,6 +1717,48 @@ def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch
         scale = max(1.0, float(b.abs().max()))
         bound = 2e-5 * scale if dtype == torch.float32 else 6 * 2.0**-8 * scale
         assert float((got[name].double() - b).abs().max()) <= bound, name
+
+
+@pytest.mark.parametrize("T, E, K", [(1, 8, 2), (5, 16, 4)], ids=["one-row", "mixed"])
+def test_bf16_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E, K):
+    """On AVX512-BF16 CPUs a bf16 layer's blocks of one row take both gradients through the
+    first weight in one pass (grouped._one_row_gradients): every gradient bit for bit what the
+    layer makes with that call switched off (the input and the weight gradients' calls), and
+    within bf16 rounding of the float64 loop. "mixed": blocks of one row and of more, the
+    others through the two calls as before."""
+    _needs_bf16_blocks()
+    from moe_ffn import _amx
+
+    monkeypatch.setattr(_amx, "available", lambda: False)
+    D, F = 512, 64  # (w1 [128, 512]: whole panels of 256 columns a thread)
+    torch.manual_seed(T + E)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    picked = (x.double() @ moe.router.weight.double().t()).topk(K, dim=-1).indices.flatten().bincount(minlength=E)
+    assert (picked == 1).any() and (T == 1 or (picked > 1).any())
+
+    def step():
+        leaf = x.clone().requires_grad_()
+        for p in moe.parameters():
+            p.grad = None
+        moe(leaf).backward(g)
+        return [leaf.grad, *(p.grad.clone() for p in moe.parameters())]
+
+    ran = {}
+    _count_calls(monkeypatch, ran, ("bf16_one_row_gradients",))
+    together = step()
+    assert ran == {"bf16_one_row_gradients": 1}
+    monkeypatch.setattr(_small_gemm, "bf16_one_row_gradients", lambda *args: False)
+    apart = step()
+    names = ["x", *(name for name, _ in moe.named_parameters())]
+    for name, a, b in zip(names, together, apart):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
+    got = dict(zip(names, together))
+    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
+        scale = max(1.0, float(b.abs().max()))
+        assert float((got[name].double() - b).abs().max()) <= 6 * 2.0**-8 * scale, name
 
 
 @pytest.mark.parametrize("T", [1, 8], ids=["one-row", "more-rows"])
