@@ -254,6 +254,14 @@ inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth, const
   return panel;
 }
 
+// A panel of at most 6 rows of c (one row tile) reads b where it lies, its 64 columns of each
+// row (4 lines, a row of b apart) in steps down the rows, and prefetches them kPanelAhead steps
+// on into L2: on the Zen 4 EPYC (2026-12-06), float32 layer forward+backward at T = 16 (input
+// gradients of 2–4-row blocks), weights out of the caches (three layers in turn, 7–9 rounds,
+// same bits), against none: Mixtral 0.84–0.89×, fine-grained 0.88–0.94× (8 steps ahead
+// 0.87 / 0.92×, 16 0.89 / 0.995×, 48 0.93 / 0.94×, 64 0.95 / 0.96×).
+constexpr int kPanelAhead = 32;
+
 template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, typename P>
 void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t q, __mmask16 last,
                   const float* next = nullptr) {
@@ -269,6 +277,18 @@ void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth,
   }
   auto* c = p.c + r0 * p.ldc + q;
   const int64_t rows = r1 - r0;
+  if (rows <= 6 && ldb == p.ldb) {  // one row tile reading b in place: its rows kPanelAhead steps on into L2
+    switch (rows) {
+      case 6: tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
+      default: break;
+    }
+    return;
+  }
   int64_t r = 0;
   for (; r + 6 <= rows; r += 6)
     tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a + r * row_step, p.lda, b, ldb, c + r * p.ldc, p.ldc, depth, last);
