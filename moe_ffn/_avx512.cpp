@@ -1440,21 +1440,30 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
   return true;
 }
 
-// ---- bf16 input and weight gradients of one-row blocks in one pass ---------------------------
+// ---- input and weight gradients of one-row blocks in one pass --------------------------------
 //
-// For a block of one row through w [O, I]: y = g·w (the input gradient, as whole_sums forms it)
-// and c = aᵀ·b (the weight gradient, as few_rows_range forms it: c[o, i] = a[o]·b[i], rounded
-// once), both over y's columns [first, last). Each of w's rows is read once and c's row of the
-// same columns written right after it, so the weight's reads and the gradient's (streamed)
-// writes share the memory's time instead of taking it in turn: on the Zen 4 EPYC the input
-// gradient read w at ~37 GB/s and the weight gradient wrote at ~26, one after the other.
-// Panels of 256 columns as one_row_panels (16 accumulators, w's row kOneRowAhead steps ahead
-// into L2), b's part of the panel widened once into `b_wide` (L1); the columns past the last
-// whole panel as whole_sums and few_rows_range take them. The same operations on each value as
-// those two, in the same order: the same bits.
+// For a block of one row through w [O, I]: y = g·w (the input gradient, as whole_sums /
+// matmul_range form it) and c = aᵀ·b (the weight gradient, as few_rows_range / run_rows form
+// it: c[o, i] = a[o]·b[i], rounded once), both over y's columns [first, last). Each of w's rows
+// is read once and c's row of the same columns written right after it, so the weight's reads
+// and the gradient's (streamed) writes share the memory's time instead of taking it in turn: on
+// the Zen 4 EPYC the bf16 input gradient read w at ~37 GB/s and the weight gradient wrote at
+// ~26, one after the other. Panels of 256 columns as one_row_panels (16 accumulators, w's row
+// kOneRowAhead steps ahead into L2), b's part of the panel widened once into `b_wide` (L1);
+// the columns past the last whole panel as those kernels take them. The same operations on
+// each value as those, in the same order: the same bits. T: bf16_t (bf16 w, b, y, c; the
+// float32 instantiation uses no AVX512-BF16 instruction) or float.
+inline void store_two(bf16_t* at, __m512 lo, __m512 hi, std::true_type) { store32<true>(at, lo, hi); }
+inline void store_two(bf16_t* at, __m512 lo, __m512 hi, std::false_type) { store32<false>(at, lo, hi); }
 template <bool STREAM>
-void one_row_gradients(const MatmulOf<float, bf16_t, bf16_t>& ig, const float* a, const bf16_t* b, bf16_t* c,
-                       int64_t ldc, int64_t first, int64_t last) {
+inline void store_two(float* at, __m512 lo, __m512 hi, std::integral_constant<bool, STREAM>) {
+  store16<STREAM>(at, lo);
+  store16<STREAM>(at + 16, hi);
+}
+
+template <typename T, bool STREAM>
+void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T* b, T* c, int64_t ldc, int64_t first,
+                       int64_t last) {
   alignas(64) float b_wide[256];
   const int64_t O = ig.k;
   int64_t q = first;
@@ -1462,25 +1471,32 @@ void one_row_gradients(const MatmulOf<float, bf16_t, bf16_t>& ig, const float* a
     for (int j = 0; j < 16; ++j) _mm512_store_ps(b_wide + 16 * j, load16(b + q + 16 * j));
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-    const bf16_t* w = ig.b + q;
-    bf16_t* c_o = c + q;
+    const T* w = ig.b + q;
+    T* c_o = c + q;
     for (int64_t o = 0; o < O; ++o, w += ig.ldb, c_o += ldc) {
       if (o + kOneRowAhead < O)
-        for (int l = 0; l < 512; l += 64)
+        for (int l = 0; l < 256 * int(sizeof(T)); l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w + kOneRowAhead * ig.ldb) + l, _MM_HINT_T1);
       const __m512 g_o = _mm512_set1_ps(ig.a[o]);
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(g_o, load16(w + 16 * j), acc[j]);
       const __m512 a_o = _mm512_set1_ps(a[o]);
       for (int j = 0; j < 16; j += 2)
-        store32<STREAM>(c_o + 16 * j, _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j), _mm512_setzero_ps()),
-                        _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j + 16), _mm512_setzero_ps()));
+        store_two(c_o + 16 * j, _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j), _mm512_setzero_ps()),
+                  _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j + 16), _mm512_setzero_ps()),
+                  std::integral_constant<bool, STREAM>{});
     }
     for (int j = 0; j < 16; ++j) store16<false>(ig.c + q + 16 * j, acc[j]);
   }
   if (q < last) {
-    matmul_pass<true, false>(ig, 0, 1, 0, O, q, last);
     // (c = aᵀ·b with a [1, O], b [1, last - q]: every row of c over these columns)
-    few_rows_range<STREAM>(WeightGradOf<float, bf16_t, bf16_t>{a, O, b + q, 0, c + q, ldc, 1, O, last - q, false, STREAM}, 0, O);
+    const WeightGradOf<float, T, T> rest{a, O, b + q, 0, c + q, ldc, 1, O, last - q, false, STREAM};
+    if constexpr (std::is_same_v<T, float>) {  // (float32 y: its sums over O in passes, as matmul_range takes them)
+      matmul_range<true>(ig, 0, 1, q, last);
+      rows_range<false, STREAM>(rest, 0, O);
+    } else {
+      matmul_pass<true, false>(ig, 0, 1, 0, O, q, last);
+      few_rows_range<STREAM>(rest, 0, O);
+    }
   } else if (STREAM) {
     _mm_sfence();
   }
@@ -1582,11 +1598,32 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16(const float* a, int64_t ld
 
 // Input and weight gradients of one-row blocks through the same weight in one pass
 // (one_row_gradients): for each block (e, r, r + 1), y[r] = g[r]·w_e and c_e = a[r]ᵀ·b[r], for
-// float32 g, a [rows, O] (the caller widens them; they may be the same rows), bf16 b [rows, I],
-// w_e [O, I] (at w + e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c + e·c_expert,
-// rows ldc apart, written over; with `stream` its whole lines past the caches: c and ldc·2
-// multiples of 64 bytes). The threads split the columns I (64 at a time), each taking its share
-// of every block. -1 where the CPU lacks AVX512_BF16 or a block is not one row (nothing written).
+// float32 g, a [rows, O] (for bf16 the caller widens them; they may be the same rows), b [rows,
+// I], w_e [O, I] (at w + e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c + e·c_expert,
+// rows ldc apart, written over; with `stream` its whole lines past the caches: c and ldc
+// multiples of 64 bytes), all bf16 (_bf16) or all float32 (_f32). The threads split the columns
+// I (64 at a time), each taking its share of every block. -1 where the CPU lacks AVX512_BF16
+// (both: the code lies in that part) or a block is not one row (nothing written).
+template <typename T>
+int one_row_gradients_blocks(const float* g, int64_t ldg, const float* a, int64_t lda, const T* b, int64_t ldb,
+                             const T* w, int64_t experts, int64_t w_expert, int64_t ldw, T* y, int64_t ldy, T* c,
+                             int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count, int64_t out_features,
+                             int64_t in_features, int stream, int threads, void* parallel, void* thread_num,
+                             void* num_threads) {
+  if (!bf16_ready() || out_features < 1 || in_features < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i)
+    if (blocks[4 * i + 2] - blocks[4 * i + 1] != 1) return -1;
+  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t, int64_t first, int64_t last, int64_t) {
+                       if (first >= last) return true;
+                       const MatmulOf<float, T, T> ig{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                                      1, out_features, in_features};
+                       if (stream) one_row_gradients<T, true>(ig, a + start * lda, b + start * ldb, c + e * c_expert, ldc, first, last);
+                       else one_row_gradients<T, false>(ig, a + start * lda, b + start * ldb, c + e * c_expert, ldc, first, last);
+                       return true;
+                     });
+}
+
 extern "C" int moe_ffn_avx512_one_row_gradients_bf16(const float* g, int64_t ldg, const float* a, int64_t lda,
                                                      const bf16_t* b, int64_t ldb, const bf16_t* w, int64_t experts,
                                                      int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy, bf16_t* c,
@@ -1594,16 +1631,16 @@ extern "C" int moe_ffn_avx512_one_row_gradients_bf16(const float* g, int64_t ldg
                                                      int64_t count, int64_t out_features, int64_t in_features,
                                                      int stream, int threads, void* parallel, void* thread_num,
                                                      void* num_threads) {
-  if (!bf16_ready() || out_features < 1 || in_features < 0 || threads < 1) return -1;
-  for (int64_t i = 0; i < count; ++i)
-    if (blocks[4 * i + 2] - blocks[4 * i + 1] != 1) return -1;
-  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
-                     [&](int64_t e, int64_t start, int64_t, int64_t first, int64_t last, int64_t) {
-                       if (first >= last) return true;
-                       const MatmulOf<float, bf16_t, bf16_t> ig{g + start * ldg, ldg, w + e * w_expert, ldw,
-                                                                y + start * ldy, ldy, 1, out_features, in_features};
-                       if (stream) one_row_gradients<true>(ig, a + start * lda, b + start * ldb, c + e * c_expert, ldc, first, last);
-                       else one_row_gradients<false>(ig, a + start * lda, b + start * ldb, c + e * c_expert, ldc, first, last);
-                       return true;
-                     });
+  return one_row_gradients_blocks(g, ldg, a, lda, b, ldb, w, experts, w_expert, ldw, y, ldy, c, c_expert, ldc, blocks,
+                                  count, out_features, in_features, stream, threads, parallel, thread_num, num_threads);
+}
+
+extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg, const float* a, int64_t lda,
+                                                    const float* b, int64_t ldb, const float* w, int64_t experts,
+                                                    int64_t w_expert, int64_t ldw, float* y, int64_t ldy, float* c,
+                                                    int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
+                                                    int64_t out_features, int64_t in_features, int stream, int threads,
+                                                    void* parallel, void* thread_num, void* num_threads) {
+  return one_row_gradients_blocks(g, ldg, a, lda, b, ldb, w, experts, w_expert, ldw, y, ldy, c, c_expert, ldc, blocks,
+                                  count, out_features, in_features, stream, threads, parallel, thread_num, num_threads);
 }

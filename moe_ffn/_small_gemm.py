@@ -1241,6 +1241,13 @@ BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
 
 
+_ONE_ROW_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 3 + [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+]  # (one_row_gradients' entry points: g, a, b with their strides; w ...; the team)
+
+
 @functools.lru_cache(maxsize=None)
 def _bf16_blocks_entry_points():
     """The bf16 blocks entry points (input gradient, weight gradient, forward, input gradient on
@@ -1267,7 +1274,7 @@ def _bf16_blocks_entry_points():
     input_grad.argtypes = linear.argtypes = input_grad_packed.argtypes = blocks_args
     weight_grads_args = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int] + team
     weight_grad.argtypes = weight_grad_packed.argtypes = weight_grads_args
-    one_row.argtypes = [ptr, i64] * 3 + [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, c_int] + team
+    one_row.argtypes = _ONE_ROW_ARGS
     return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed, one_row
 
 
@@ -1325,42 +1332,64 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
     return True
 
 
-def bf16_one_row_gradients(
+def one_row_gradients(
     y: Tensor, grad_EOI: Tensor, g: Tensor, a: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
 ) -> bool:
     """For every block (e, r, r + 1) of one row: y[r] = g[r]·w_EOI[e] and grad_EOI[e] =
-    a[r]ᵀ·b[r] (written over), all bf16, in one pass over each weight (the kernel's
-    one_row_gradients: w's rows read once, the gradient's rows written as they are read), the
-    same bits as `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks. g and
-    a [rows, O] (may be the same tensor), b, y [rows, I]. Returns whether it ran (when False,
-    nothing is written): AVX512-BF16 CPUs without AMX, every block of one row."""
-    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and w_EOI.dtype == torch.bfloat16 and grad_EOI.dim() == 3
-            and grad_EOI.stride(2) == 1 and all(stop - start == 1 for _, start, stop in blocks)):
-        return False
-    found = _bf16_blocks_kernel((g, a, b), grad_EOI, blocks, most=1)
-    if found is None or y.dtype != torch.bfloat16 or not (_writable_rows(y) and _rows_contiguous(b)):
+    a[r]ᵀ·b[r] (written over), in one pass over each weight (the kernel's one_row_gradients: w's
+    rows read once, the gradient's rows written as they are read). All bf16 (AVX512-BF16 CPUs
+    without AMX): the same bits as `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on
+    these blocks; all float32 (where `float32_input_grad_blocks` and
+    `float32_weight_grad_blocks` take them, on CPUs with AVX512-BF16): as those two. g and a
+    [rows, O] (may be the same tensor), b, y [rows, I]. Returns whether it ran (when False,
+    nothing is written)."""
+    dtype = w_EOI.dtype
+    if not (w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and grad_EOI.dim() == 3 and grad_EOI.stride(2) == 1
+            and blocks and all(stop - start == 1 for _, start, stop in blocks)
+            and all(t.dtype == dtype for t in (y, grad_EOI, g, a, b)) and dtype in (torch.float32, torch.bfloat16)):
         return False
     E, O, I = w_EOI.shape
+    if dtype == torch.bfloat16:
+        found = _bf16_blocks_kernel((g, a, b), grad_EOI, blocks, most=1)
+        fn, openmp = (found[0][5], found[1]) if found is not None else (None, None)
+        stream = O * I >= _BF16_STREAM_ELEMENTS and grad_EOI.stride(0) % 32 == 0 and grad_EOI.stride(1) % 32 == 0
+    else:
+        points = _float32_blocks_entry_points() if _float32_blocks_here(blocks, O * I) else None
+        kernel = _kernel_for((g, a, b), None) if points is not None and I >= 64 * torch.get_num_threads() else None
+        fn = _one_row_gradients_f32_entry_point() if kernel is not None else None
+        openmp = kernel[1] if kernel is not None else None
+        stream = O * I >= _STREAM_ELEMENTS and grad_EOI.stride(0) % 16 == 0 and grad_EOI.stride(1) % 16 == 0
+    if fn is None or not (_writable_rows(y) and _rows_contiguous(b)):
+        return False
     rows = g.shape[0]
     if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
-        raise ValueError(f"bf16_one_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
+        raise ValueError(f"one_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
                          f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
-    _check_blocks("bf16_one_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
-    stream = (
-        O * I >= _BF16_STREAM_ELEMENTS and grad_EOI.data_ptr() % 64 == 0
-        and grad_EOI.stride(0) % 32 == 0 and grad_EOI.stride(1) % 32 == 0
-    )
-    g32 = g.float()  # (one row: broadcast from float32, as the two calls widen theirs)
+    _check_blocks("one_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+    stream = stream and grad_EOI.data_ptr() % 64 == 0
+    g32 = g.float()  # (bf16: one row, broadcast from float32, as the two calls widen theirs)
     a32 = g32 if a is g else a.float()
     table, address, count = _block_table(blocks)
-    status = found[0][5](
+    status = fn(
         g32.data_ptr(), g32.stride(0), a32.data_ptr(), a32.stride(0), b.data_ptr(), b.stride(0), w_EOI.data_ptr(), E,
         w_EOI.stride(0), w_EOI.stride(1), y.data_ptr(), y.stride(0), grad_EOI.data_ptr(), grad_EOI.stride(0),
-        grad_EOI.stride(1), address, count, O, I, int(stream), torch.get_num_threads(), *found[1],
+        grad_EOI.stride(1), address, count, O, I, int(stream), torch.get_num_threads(), *openmp,
     )
     if status != 0:
-        raise RuntimeError(f"moe_ffn_avx512_one_row_gradients_bf16: the kernel failed on {len(blocks)} blocks")
+        raise RuntimeError(f"one_row_gradients: the kernel failed on {len(blocks)} blocks")
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _one_row_gradients_f32_entry_point():
+    """moe_ffn_avx512_one_row_gradients_f32 with its argument types where it runs (the AVX-512
+    kernels built, a CPU with AVX512-BF16: the code lies in that part), else None."""
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_one_row_gradients_f32")
+    if points is None:
+        return None
+    (fn,) = points
+    fn.argtypes = _ONE_ROW_ARGS
+    return fn
 
 
 def bf16_weight_grad_blocks(

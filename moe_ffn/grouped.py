@@ -1351,15 +1351,16 @@ def _one_row_gradients(
     dx: Tensor, grad_w_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list, again: list[bool]
 ) -> list[bool]:
     """The blocks of one row (not adding to a first piece) whose input gradient g·w_e into dx and
-    weight gradient gᵀ·b into grad_w_EOI[e] one call wrote (AVX512-BF16 CPUs: each of w's rows
-    read once for both, `_small_gemm.bf16_one_row_gradients`), as one flag per block. Zen 4
-    EPYC, layer bf16 forward+backward with the weights out of the caches (three layers in
-    turn), against the two calls, interleaved in one process, same bits: T = 1 Mixtral 0.88×,
-    fine-grained 0.89× (15 rounds); T = 16 fine-grained 0.93× (its blocks of one row), Mixtral
-    level (none of one row; 11 rounds)."""
+    weight gradient gᵀ·b into grad_w_EOI[e] one call wrote (AVX512-BF16 CPUs, float32 on AMD's:
+    each of w's rows read once for both, `_small_gemm.one_row_gradients`), as one flag per
+    block. Zen 4 EPYC, layer forward+backward with the weights out of the caches (three layers
+    in turn), against the two calls, interleaved in one process, same bits: bf16 T = 1 Mixtral
+    0.88×, fine-grained 0.89× (15 rounds), T = 16 fine-grained 0.93× (its blocks of one row),
+    Mixtral level (none of one row; 11 rounds); float32 T = 1 0.83× / 0.84×, T = 16
+    fine-grained 0.94×."""
     fits = [stop - start == 1 and not add for (_, start, stop), add in zip(blocks, again)]
     chosen = [block for block, f in zip(blocks, fits) if f]
-    if chosen and _small_gemm.bf16_one_row_gradients(dx, grad_w_EOI, g, g, b, w_EOI, chosen):
+    if chosen and _small_gemm.one_row_gradients(dx, grad_w_EOI, g, g, b, w_EOI, chosen):
         return fits
     return [False] * len(blocks)
 

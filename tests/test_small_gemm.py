@@ -1283,58 +1283,86 @@ def test_bf16_weight_grad_rounds_whole_panels_as_torch_does(N, K):
     assert bool((out[0] == 7).all())
 
 
+def _needs_one_row_gradients(dtype: torch.dtype):
+    if dtype == torch.bfloat16:
+        _needs_bf16_blocks()
+    elif _small_gemm._float32_blocks_entry_points() is None or not _small_gemm.sgemm_at_avx2_width() or (
+        _small_gemm._one_row_gradients_f32_entry_point() is None
+    ):
+        pytest.skip("the float32 one-row pass runs where the float32 blocks kernels take every block (AMD's AVX-512 CPUs) with AVX512-BF16")
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 70), (300, 200), (64, 1000), (40, 1024), (512, 3584)])
-def test_bf16_one_row_gradients_are_the_two_calls_bit_for_bit(shape):
-    """bf16_one_row_gradients (each of w's rows read once for both gradients of one-row blocks):
-    y[r] = g[r]·w_e within one bf16 rounding of the float64 product, and grad_e[o, i] the float32
-    product a[r, o]·b[r, i] rounded to bf16 (by hand: torch's own rounding of it); both bit for
-    bit what bf16_input_grad_blocks and bf16_weight_grad_blocks write for these blocks, NaNs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_row_gradients_are_the_two_calls_bit_for_bit(shape, dtype):
+    """one_row_gradients (each of w's rows read once for both gradients of one-row blocks):
+    y[r] = g[r]·w_e within the float64 bound (bf16: and one bf16 rounding), and grad_e[o, i] the
+    float32 product a[r, o]·b[r, i] (bf16: rounded to bf16 by torch); both bit for bit what the
+    input and weight gradients' blocks calls of that dtype write for these blocks, NaNs
     included (one in a and one in w), on one thread too. Shapes: whole panels of 256 columns,
     the columns past them (a 64-column tile, fewer than 64), streamed gradients ((40, 1024),
-    (512, 3584)) and not; rows of y outside the blocks and experts without one untouched."""
-    _needs_bf16_blocks()
+    (512, 3584); float32 also (300, 200)) and not; rows of y outside the blocks and experts
+    without one untouched. float32 with fewer than 64 columns a thread: declined, as the
+    input gradients' call declines them, nothing written."""
+    _needs_one_row_gradients(dtype)
     O, I = shape
     torch.manual_seed(O + I)
     E, rows = 4, 6
-    w = torch.randn(E, O, I).bfloat16()
-    g, a, b = torch.randn(rows, O).bfloat16(), torch.randn(rows, O).bfloat16(), torch.randn(rows, I).bfloat16()
+    w = torch.randn(E, O, I).to(dtype)
+    g, a, b = torch.randn(rows, O).to(dtype), torch.randn(rows, O).to(dtype), torch.randn(rows, I).to(dtype)
     blocks = [(3, 0, 1), (0, 2, 3), (1, 5, 6)]
     if O > 3 and I > 3:
         a[2, 3] = float("nan")  # (row 3 of expert 0's gradient all NaN)
         w[1, O - 1, 2] = float("nan")  # (column 2 of y's row 5 NaN)
-    got_y, got_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
-    assert _small_gemm.bf16_one_row_gradients(got_y, got_w, g, a, b, w, blocks)
+    fresh = lambda: (torch.full((rows, I), 7.0).to(dtype), torch.full((E, O, I), 7.0).to(dtype))  # noqa: E731
+    got_y, got_w = fresh()
+    if dtype == torch.float32 and I < 64 * torch.get_num_threads():
+        assert not _small_gemm.one_row_gradients(got_y, got_w, g, a, b, w, blocks)
+        assert not _small_gemm.float32_input_grad_blocks(got_y, g, w, blocks)
+        assert bool((got_y == 7).all()) and bool((got_w == 7).all())
+        return
+    assert _small_gemm.one_row_gradients(got_y, got_w, g, a, b, w, blocks)
     for e, r, _ in blocks:
-        exact = g[r].double() @ w[e].double()
-        _bf16_within_one_rounding(got_y[r].nan_to_num(0.0), exact.nan_to_num(0.0), _bound(g[r].double().abs(), w[e].double().abs().nan_to_num(0.0), O))
-        by_hand = (a[r].float()[:, None] * b[r].float()[None, :]).bfloat16()
+        exact = (g[r].double() @ w[e].double()).nan_to_num(0.0)
+        bound = _bound(g[r].double().abs(), w[e].double().abs().nan_to_num(0.0), O)
+        if dtype == torch.bfloat16:
+            _bf16_within_one_rounding(got_y[r].nan_to_num(0.0), exact, bound)
+        else:
+            assert ((got_y[r].nan_to_num(0.0).double() - exact).abs() <= bound).all()
+        by_hand = (a[r].float()[:, None] * b[r].float()[None, :]).to(dtype)
         assert torch.equal(got_w[e].isnan(), by_hand.isnan()) and torch.equal(got_w[e].nan_to_num(0.0), by_hand.nan_to_num(0.0))
     assert bool((got_y[[1, 3, 4]] == 7).all()) and bool((got_w[2] == 7).all())
-    two_y, two_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
-    assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
-    assert _small_gemm.bf16_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks))
-    one_y, one_w = torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16()
-    assert _on_one_thread(lambda: _small_gemm.bf16_one_row_gradients(one_y, one_w, g, a, b, w, blocks))
+    two_y, two_w = fresh()
+    if dtype == torch.bfloat16:
+        assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
+        assert _small_gemm.bf16_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks))
+    else:
+        assert _small_gemm.float32_input_grad_blocks(two_y, g, w, blocks)
+        assert all(_small_gemm.float32_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks)))
+    one_y, one_w = fresh()
+    assert _on_one_thread(lambda: _small_gemm.one_row_gradients(one_y, one_w, g, a, b, w, blocks))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for t in (two_y, one_y):
-        assert torch.equal(got_y.view(torch.int16), t.view(torch.int16))
+        assert torch.equal(got_y.view(bits), t.view(bits))
     for t in (two_w, one_w):
-        assert torch.equal(got_w.view(torch.int16), t.view(torch.int16))
+        assert torch.equal(got_w.view(bits), t.view(bits))
 
 
-def test_bf16_one_row_gradients_decline_what_they_do_not_take():
-    """A block of two rows, float32 tensors: False, nothing written; shapes that do not fit: an
-    error naming them."""
+def test_one_row_gradients_decline_what_they_do_not_take():
+    """A block of two rows, mixed dtypes, float64: False, nothing written; shapes that do not
+    fit: an error naming them."""
     _needs_bf16_blocks()
     w = torch.randn(2, 24, 40).bfloat16()
     g, b = torch.randn(3, 24).bfloat16(), torch.randn(3, 40).bfloat16()
     y, grads = torch.full((3, 40), 7.0).bfloat16(), torch.full((2, 24, 40), 7.0).bfloat16()
-    assert not _small_gemm.bf16_one_row_gradients(y, grads, g, g, b, w, [(0, 0, 1), (1, 1, 3)])
-    assert not _small_gemm.bf16_one_row_gradients(y.float(), grads.float(), g.float(), g.float(), b.float(), w.float(), [(0, 0, 1)])
+    assert not _small_gemm.one_row_gradients(y, grads, g, g, b, w, [(0, 0, 1), (1, 1, 3)])
+    assert not _small_gemm.one_row_gradients(y, grads, g.float(), g.float(), b, w, [(0, 0, 1)])
+    assert not _small_gemm.one_row_gradients(y.double(), grads.double(), g.double(), g.double(), b.double(), w.double(), [(0, 0, 1)])
     assert bool((y == 7).all()) and bool((grads == 7).all())
     with pytest.raises(ValueError, match="do not fit"):
-        _small_gemm.bf16_one_row_gradients(y[:, :20], grads, g, g, b, w, [(0, 0, 1)])
+        _small_gemm.one_row_gradients(y[:, :20], grads, g, g, b, w, [(0, 0, 1)])
     with pytest.raises(ValueError, match="do not fit"):
-        _small_gemm.bf16_one_row_gradients(y, grads, g, g, b, w, [(2, 0, 1)])  # no expert 2
+        _small_gemm.one_row_gradients(y, grads, g, g, b, w, [(2, 0, 1)])  # no expert 2
 
 
 def test_bf16_blocks_kernels_decline_what_they_do_not_take():
@@ -1720,20 +1748,21 @@ def test_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch
 
 
 @pytest.mark.parametrize("T, E, K", [(1, 8, 2), (5, 16, 4)], ids=["one-row", "mixed"])
-def test_bf16_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E, K):
-    """On AVX512-BF16 CPUs a bf16 layer's blocks of one row take both gradients through the
-    first weight in one pass (grouped._one_row_gradients): every gradient bit for bit what the
-    layer makes with that call switched off (the input and the weight gradients' calls), and
-    within bf16 rounding of the float64 loop. "mixed": blocks of one row and of more, the
-    others through the two calls as before."""
-    _needs_bf16_blocks()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E, K, dtype):
+    """Where one_row_gradients runs (AVX512-BF16 CPUs without AMX; float32: AMD's), a layer's
+    blocks of one row take both gradients through the first weight in one pass
+    (grouped._one_row_gradients): every gradient bit for bit what the layer makes with that
+    call switched off (the input and the weight gradients' calls), and within rounding of the
+    float64 loop. "mixed": blocks of one row and of more, the others through the two calls."""
+    _needs_one_row_gradients(dtype)
     from moe_ffn import _amx
 
     monkeypatch.setattr(_amx, "available", lambda: False)
     D, F = 512, 64  # (w1 [128, 512]: whole panels of 256 columns a thread)
     torch.manual_seed(T + E)
-    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
-    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
+    x, g = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
     picked = (x.double() @ moe.router.weight.double().t()).topk(K, dim=-1).indices.flatten().bincount(minlength=E)
     assert (picked == 1).any() and (T == 1 or (picked > 1).any())
 
@@ -1745,20 +1774,22 @@ def test_bf16_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch,
         return [leaf.grad, *(p.grad.clone() for p in moe.parameters())]
 
     ran = {}
-    _count_calls(monkeypatch, ran, ("bf16_one_row_gradients",))
+    _count_calls(monkeypatch, ran, ("one_row_gradients",))
     together = step()
-    assert ran == {"bf16_one_row_gradients": 1}
-    monkeypatch.setattr(_small_gemm, "bf16_one_row_gradients", lambda *args: False)
+    assert ran == {"one_row_gradients": 1}
+    monkeypatch.setattr(_small_gemm, "one_row_gradients", lambda *args: False)
     apart = step()
     names = ["x", *(name for name, _ in moe.named_parameters())]
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for name, a, b in zip(names, together, apart):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+        assert torch.equal(a.view(bits), b.view(bits)), name
     leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
     got = dict(zip(names, together))
     for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
         scale = max(1.0, float(b.abs().max()))
-        assert float((got[name].double() - b).abs().max()) <= 6 * 2.0**-8 * scale, name
+        bound = 6 * 2.0**-8 * scale if dtype == torch.bfloat16 else 2e-5 * scale
+        assert float((got[name].double() - b).abs().max()) <= bound, name
 
 
 @pytest.mark.parametrize("T", [1, 8], ids=["one-row", "more-rows"])
