@@ -1141,6 +1141,30 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
     assert torch.equal(single[used], out[used])
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 31), (17, 64), (40, 100), (100, 1024), (1024, 3584)])
+def test_bf16_forward_of_one_row_is_the_tiles_sum_bit_for_bit(shape):
+    """A block of one row takes w's rows one after another (dot_one_row: 16 rows' sums reduced
+    together, the last group short where O is not a multiple of 16): each row bit for bit what
+    the tiles give it inside a block of two rows (the same sums, the same reduction), NaN and
+    infinity included, and within one bf16 rounding of the float64 product."""
+    _needs_bf16_blocks()
+    O, I = shape
+    torch.manual_seed(O * I)
+    w, x = torch.randn(2, O, I).bfloat16(), torch.randn(2, I).bfloat16()
+    if O > 3 and I > 3:
+        w[1, 3, 1] = float("nan")
+        w[1, O - 1, 0] = float("inf")
+    alone = torch.cat([_small_gemm.linear_blocks(x[r : r + 1], w, [(1, 0, 1)]) for r in range(2)])
+    paired = _small_gemm.linear_blocks(x, w, [(1, 0, 2)])
+    assert torch.equal(alone.view(torch.int16), paired.view(torch.int16))
+    if O > 3 and I > 3:
+        assert alone[:, 3].isnan().all() and not alone[:, :3].isnan().any()
+    exact = x.double() @ w[1].double().t()
+    finite = exact.isfinite()
+    bound = _bound(x.double().abs(), w[1].double().abs().t().nan_to_num(0.0, posinf=0.0), I)
+    _bf16_within_one_rounding(alone[finite], exact[finite], bound[finite])
+
+
 @pytest.mark.parametrize("shape", [(1, 2), (7, 50), (13, 100), (31, 40), (100, 78), (1040, 64), (40, 3584), (7, 33)])
 def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
     """Blocks past 16 rows (an even I): outer products over packed groups of 16 rows, in
