@@ -88,8 +88,11 @@ products of 1–64 rows (`avx512_weight_grad_into`, `avx512_linear_into`, and `l
 for decode; numbers at their constants below). bf16 experts on CPUs with AMX go to _amx.py's
 kernels; on CPUs with AVX512-BF16 but no AMX, bf16 blocks go to _avx512.cpp's bf16 entry
 points: forward products of 1–1024 rows (`linear_blocks`), input gradients of 1–512 rows
-(`bf16_input_grad_blocks`), weight gradients of 1–8 rows (`bf16_weight_grad_blocks`);
-numbers at BF16_BLOCKS_MAX_ROWS and the constants after it.
+(`bf16_input_grad_blocks`), weight gradients of 1–320 rows (`bf16_weight_grad_blocks`);
+numbers at BF16_BLOCKS_MAX_ROWS and the constants after it. Blocks of one row take both of
+their gradients through a weight in one pass over its rows (`one_row_gradients`: bf16 there,
+and float32 where the float32 blocks entry points take them), the weight's reads and the
+gradient's streamed writes overlapping.
 
 Everything else — other weight gradients, other dtypes, CUDA, CPUs
 without AVX2, machines where the extension was not built (it is optional: pyproject.toml),
