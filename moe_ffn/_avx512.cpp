@@ -262,6 +262,26 @@ inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth, const
 // 0.87 / 0.92×, 16 0.89 / 0.995×, 48 0.93 / 0.94×, 64 0.95 / 0.96×).
 constexpr int kPanelAhead = 32;
 
+// The panel's rows of c in register tiles of 6 and a last one of the rest, each reading b (rows
+// ldb apart) over `depth` steps; AHEAD as in tile.
+template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, int AHEAD, typename TA, typename TB, typename TC>
+void panel_tiles(const TA* a, int64_t row_step, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc,
+                 int64_t rows, int64_t depth, __mmask16 last) {
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6)
+    tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a + r * row_step, lda, b, ldb, c + r * ldc, ldc, depth, last);
+  a += r * row_step;
+  c += r * ldc;
+  switch (rows - r) {
+    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    default: break;
+  }
+}
+
 template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, typename P>
 void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth, int64_t q, __mmask16 last,
                   const float* next = nullptr) {
@@ -276,32 +296,10 @@ void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth,
     }
   }
   auto* c = p.c + r0 * p.ldc + q;
-  const int64_t rows = r1 - r0;
-  if (rows <= 6 && ldb == p.ldb) {  // one row tile reading b in place: its rows kPanelAhead steps on into L2
-    switch (rows) {
-      case 6: tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, kPanelAhead>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-      default: break;
-    }
-    return;
-  }
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6)
-    tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a + r * row_step, p.lda, b, ldb, c + r * p.ldc, p.ldc, depth, last);
-  a += r * row_step;
-  c += r * p.ldc;
-  switch (rows - r) {
-    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS>(a, p.lda, b, ldb, c, p.ldc, depth, last); break;
-    default: break;
-  }
+  if (r1 - r0 <= 6 && ldb == p.ldb)  // one row tile reading b in place: its rows kPanelAhead steps on into L2
+    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last);
+  else
+    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, 0>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last);
 }
 
 // c's rows [r0, r1) and columns [first, last_column), steps [s0, s0 + depth) of the sums.
@@ -949,16 +947,6 @@ void dot_strip(const LinearBf16& p, int64_t o, int next_rows) {
   }
 }
 
-// w's rows [first, last) in strips of 6, each prefetching the next's rows of w. On the Zen 5
-// EPYC (2026-12-03), prefetching into L1: per product (GFLOP/s, 8 or 64 weights of the
-// benchmark's shapes, two runs) 8 rows 167–285 → 232–330, 16 rows 260–353 → 367–480; 4 rows
-// 109–190 → 122–202 and 1 row level or behind, and in the layer's forward from 2 or 4 rows T =
-// 16 read 0.95–0.98× (blocks of 2–4 rows): from 8 rows only then. On the Zen 4 EPYC (2026-12-06) the decode forward read its weights at 20–23 GB/s
-// where a plain sum reads 50: prefetching into L2 from one row on, layer bf16 forward with its
-// weights out of the caches (three layers in turn, 7 rounds, same bits), T = 1 / 4 / 16:
-// Mixtral 0.88 / – / 0.71×, fine 0.81 / 0.80 / 0.65×; into L1 from one row 1.03–1.05× (the
-// prefetches' misses hold the L1 fill buffers the tile's own loads need); two to four strips
-// ahead instead of one: level (0.87–0.91× and 0.78–0.82× at T = 1). Not re-measured on Zen 5.
 // One row of x: w's rows one after another (a single stream through the thread's rows, each
 // prefetched 4 KiB ahead into L2), each row's sum over I in one accumulator, 16 rows' sums
 // reduced together: the same sums as the tiles' (each lane's sum in the same order, the same
@@ -991,6 +979,17 @@ void dot_one_row(const LinearBf16& p, int64_t first, int64_t last) {
   }
 }
 
+// w's rows [first, last) in strips of 6, each prefetching the next's rows of w (one row of x:
+// dot_one_row). On the Zen 5 EPYC (2026-12-03), prefetching into L1: per product (GFLOP/s, 8 or
+// 64 weights of the benchmark's shapes, two runs) 8 rows 167–285 → 232–330, 16 rows 260–353 →
+// 367–480; 4 rows 109–190 → 122–202 and 1 row level or behind, and in the layer's forward from 2
+// or 4 rows T = 16 read 0.95–0.98× (blocks of 2–4 rows): from 8 rows only then. On the Zen 4
+// EPYC (2026-12-06) the decode forward read its weights at 20–23 GB/s where a plain sum reads
+// 50: prefetching into L2 from one row on, layer bf16 forward with its weights out of the caches
+// (three layers in turn, 7 rounds, same bits), T = 1 / 4 / 16: Mixtral 0.88 / – / 0.71×, fine
+// 0.81 / 0.80 / 0.65×; into L1 from one row 1.03–1.05× (the prefetches' misses hold the L1 fill
+// buffers the tile's own loads need); two to four strips ahead instead of one: level (0.87–0.91×
+// and 0.78–0.82× at T = 1). Not re-measured on Zen 5.
 void dot_range(const LinearBf16& p, int64_t first, int64_t last) {
   if (p.rows == 1) {
     dot_one_row(p, first, last);
@@ -1489,10 +1488,10 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
 // the columns past the last whole panel as those kernels take them. The same operations on
 // each value as those, in the same order: the same bits. T: bf16_t (bf16 w, b, y, c; the
 // float32 instantiation uses no AVX512-BF16 instruction) or float.
-inline void store_two(bf16_t* at, __m512 lo, __m512 hi, std::true_type) { store32<true>(at, lo, hi); }
-inline void store_two(bf16_t* at, __m512 lo, __m512 hi, std::false_type) { store32<false>(at, lo, hi); }
 template <bool STREAM>
-inline void store_two(float* at, __m512 lo, __m512 hi, std::integral_constant<bool, STREAM>) {
+inline void store_two(bf16_t* at, __m512 lo, __m512 hi) { store32<STREAM>(at, lo, hi); }
+template <bool STREAM>
+inline void store_two(float* at, __m512 lo, __m512 hi) {
   store16<STREAM>(at, lo);
   store16<STREAM>(at + 16, hi);
 }
@@ -1517,9 +1516,8 @@ void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T*
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(g_o, load16(w + 16 * j), acc[j]);
       const __m512 a_o = _mm512_set1_ps(a[o]);
       for (int j = 0; j < 16; j += 2)
-        store_two(c_o + 16 * j, _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j), _mm512_setzero_ps()),
-                  _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j + 16), _mm512_setzero_ps()),
-                  std::integral_constant<bool, STREAM>{});
+        store_two<STREAM>(c_o + 16 * j, _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j), _mm512_setzero_ps()),
+                          _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j + 16), _mm512_setzero_ps()));
     }
     for (int j = 0; j < 16; ++j) store16<false>(ig.c + q + 16 * j, acc[j]);
   }
