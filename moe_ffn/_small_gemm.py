@@ -1128,6 +1128,19 @@ def float32_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: lis
     return True
 
 
+def _streamed_gradients(out_EMN: Tensor) -> bool:
+    """Whether the weight-gradient kernels write the experts' gradients out_EMN [E, M, N]
+    with streaming stores (past the caches: the optimizer reads them next), every expert's
+    alike: float32 as avx512_weight_grad_into chooses them (from _STREAM_ELEMENTS elements,
+    64-byte lines), bf16 from _BF16_STREAM_ELEMENTS (whole 64-byte lines of 32)."""
+    M, N = out_EMN.shape[1:]
+    least, align = (_BF16_STREAM_ELEMENTS, 32) if out_EMN.dtype == torch.bfloat16 else (_STREAM_ELEMENTS, 16)
+    return (
+        M * N >= least and out_EMN.data_ptr() % 64 == 0 and out_EMN.stride(0) % align == 0
+        and out_EMN.stride(1) % align == 0
+    )
+
+
 def float32_weight_grad_blocks(
     out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
 ) -> list[bool]:
@@ -1155,11 +1168,7 @@ def float32_weight_grad_blocks(
     if not chosen or a.shape[1] != M or b.shape[1] != N or a.shape[0] != b.shape[0]:
         return none
     _check_blocks("float32_weight_grad_blocks", [blk for blk, _ in chosen], a.shape[0], E, f"{tuple(a.shape)}, {tuple(b.shape)}")
-    # streaming stores as avx512_weight_grad_into chooses them, for every expert's gradient alike
-    stream = (
-        out_EMN[0].numel() >= _STREAM_ELEMENTS and out_EMN.data_ptr() % 64 == 0 and out_EMN.stride(1) % 16 == 0
-        and out_EMN.stride(0) % 16 == 0
-    )
+    stream = _streamed_gradients(out_EMN)
     _blocks_call(
         points[1], [blk for blk, _ in chosen], [add for _, add in chosen], a.data_ptr(), a.stride(0), b.data_ptr(),
         b.stride(0), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1), M, N, outer_rows, int(stream),
@@ -1355,13 +1364,11 @@ def one_row_gradients(
     if dtype == torch.bfloat16:
         found = _bf16_blocks_kernel((g, a, b), grad_EOI, blocks, most=1)
         fn, openmp = (found[0][5], found[1]) if found is not None else (None, None)
-        stream = O * I >= _BF16_STREAM_ELEMENTS and grad_EOI.stride(0) % 32 == 0 and grad_EOI.stride(1) % 32 == 0
     else:
         points = _float32_blocks_entry_points() if _float32_blocks_here(blocks, O * I) else None
         kernel = _kernel_for((g, a, b), None) if points is not None and I >= 64 * torch.get_num_threads() else None
         fn = _one_row_gradients_f32_entry_point() if kernel is not None else None
         openmp = kernel[1] if kernel is not None else None
-        stream = O * I >= _STREAM_ELEMENTS and grad_EOI.stride(0) % 16 == 0 and grad_EOI.stride(1) % 16 == 0
     if fn is None or not (_writable_rows(y) and _rows_contiguous(b)):
         return False
     rows = g.shape[0]
@@ -1369,7 +1376,7 @@ def one_row_gradients(
         raise ValueError(f"one_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
                          f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
     _check_blocks("one_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
-    stream = stream and grad_EOI.data_ptr() % 64 == 0
+    stream = _streamed_gradients(grad_EOI)
     g32 = g.float()  # (bf16: one row, broadcast from float32, as the two calls widen theirs)
     a32 = g32 if a is g else a.float()
     table, address, count = _block_table(blocks)
@@ -1414,10 +1421,7 @@ def bf16_weight_grad_blocks(
         raise ValueError(f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} "
                          f"and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit")
     _check_blocks("bf16_weight_grad_blocks", blocks, a.shape[0], E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
-    stream = (
-        M * N >= _BF16_STREAM_ELEMENTS and out_EMN.data_ptr() % 64 == 0
-        and out_EMN.stride(0) % 32 == 0 and out_EMN.stride(1) % 32 == 0
-    )
+    stream = _streamed_gradients(out_EMN)
     small = [blk for blk in blocks if blk[2] - blk[1] < BF16_WEIGHT_GRAD_PACKED_FROM_ROWS]
     large = [blk for blk in blocks if blk[2] - blk[1] >= BF16_WEIGHT_GRAD_PACKED_FROM_ROWS]
     out = (out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1))
