@@ -397,9 +397,12 @@ struct LinearOf {
   int64_t ldy;
   int64_t rows, in_features;
 };
-using Linear = LinearOf<float>;
-
-constexpr int64_t kChunk = 512;  // elements of I per pass (a tile's rows of w and x in L1)
+// The float32 forward takes I's elements `chunk` at a time: each tile's sums over a chunk
+// reduced across lanes and stored, later chunks' added to them (the caller chooses: the sums
+// differ with it; _small_gemm.avx512_forward_depth).
+struct Linear : LinearOf<float> {
+  int64_t chunk;
+};
 
 // Lane t of the result: the sum of v[t]'s 16 lanes, for 16 vectors at once (pairs of vectors
 // added across their halves level by level: 45 instructions, where a reduction of each vector
@@ -516,23 +519,29 @@ void linear_strips(const Linear& p, int64_t first, int64_t last, int64_t k0, int
   }
 }
 
-// w's rows [first, last), strips of 6 rows, each strip chunk by chunk of I. Where w's rows take
-// one chunk (I ≤ kChunk, rows of ≤ 2 KiB: two to a page) and x has 8 rows or more, each strip
-// prefetches the next into L2 while it runs. Measured on the 2-core Xeon (2026-12-05; 64
+// w's rows [first, last), strips of 6 rows, each strip chunk by chunk of I (p.chunk elements).
+// Where w's rows take one chunk (I ≤ p.chunk) and x has 8 rows or more, each strip prefetches
+// the next into L2 while it runs. Measured with chunks of 512 on the 2-core Xeon (2026-12-05; 64
 // experts' blocks through 1024×512, per block, the two in alternating processes, GFLOP/s):
 // 8 / 16 / 32 / 64 rows 58–61 / 96–103 / 136–142 / 176–187 → 72–78 / 115–118 / 169–173 /
 // 218–219. Not where rows take several chunks, whose 4–14 KiB rows the hardware's streams
 // follow (7168×1024 at 32 rows 182–184 → 172–173, 1024×3584 at 16 rows 143–144 → 111–113).
+// On the Zen 4 EPYC (2026-12-06) chunks of 4096 (I whole for the benchmark's shapes, and so
+// the next strip prefetched) against 512, per product, the blocks of 64 or 8 experts' weights
+// out of the caches (alternated, 6–8 rounds, GFLOP/s) at 32 rows: 1024×1024 103–111 →
+// 123–148, 7168×1024 120–139 → 128–168, 1024×3584 136–141 → 170–172 (the chunks alone, no
+// prefetch: 115 / 119 / 168), 1024×512 level; 8–40 rows 1.10–1.22× through I = 1024 or 3584;
+// 1–4 rows level. The Xeon's chunks of 1024 had run 0.97× from memory (JOURNAL).
 // Where x has fewer than 8 rows, each chunk of a strip prefetches the same chunk of the next
 // strip, line by line (linear_strip): on the Zen 4 EPYC (2026-12-06), layer float32 forward
 // with the weights out of the caches (three layers in turn, 9 rounds, same bits), against none:
 // T = 1 Mixtral 0.93×, T = 16 (blocks of 2–4 rows) Mixtral 0.91×, fine-grained 0.85×.
 void linear_range(const Linear& p, int64_t first, int64_t last) {
-  const bool ahead = p.rows < kSharedPrefetchRows || p.in_features <= kChunk;
+  const bool ahead = p.rows < kSharedPrefetchRows || p.in_features <= p.chunk;
   for (int64_t o = first; o < last; o += 6) {
     const int64_t o1 = std::min(last, o + 6);
-    for (int64_t k0 = 0; k0 < p.in_features; k0 += kChunk) {
-      const int64_t depth = std::min(kChunk, p.in_features - k0);
+    for (int64_t k0 = 0; k0 < p.in_features; k0 += p.chunk) {
+      const int64_t depth = std::min(p.chunk, p.in_features - k0);
       const bool prefetch = ahead && o1 < last;
       const float* next = prefetch ? p.w + o1 * p.ldw + k0 : nullptr;
       const int64_t next_rows = prefetch ? std::min<int64_t>(6, last - o1) : 0, next_depth = prefetch ? depth : 0;
@@ -668,9 +677,10 @@ extern "C" int moe_ffn_avx512_matmul_f32(const float* a, int64_t lda, int a_step
 // it does not take (y untouched).
 extern "C" int moe_ffn_avx512_linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                                          int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
-                                         int threads, void* parallel, void* thread_num, void* num_threads) {
-  if (!ready() || rows < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
-  const Linear p{x, ldx, w, ldw, y, ldy, rows, in_features};
+                                         int64_t chunk, int threads, void* parallel, void* thread_num,
+                                         void* num_threads) {
+  if (!ready() || rows < 0 || out_features < 0 || in_features < 1 || chunk < 1 || threads < 1) return -1;
+  const Linear p{{x, ldx, w, ldw, y, ldy, rows, in_features}, chunk};
   // at least 24 rows of w a thread
   const int64_t count = std::min<int64_t>(threads, std::max<int64_t>(1, out_features / 24));
   on_team(make_team(parallel, thread_num, num_threads), count, [&](int64_t t, int64_t parts) {
@@ -685,13 +695,16 @@ extern "C" int moe_ffn_avx512_linear_f32(const float* x, int64_t ldx, const floa
 // int64s blocks[4i .. 4i+3] = (expert, start, stop, unused; the table of _small_gemm.cpp's
 // blocks entry points), computes y[start:stop] = x[start:stop]·w_eᵀ with expert e < experts's
 // weight at w + e·w_expert (row stride ldw), each block's sums as moe_ffn_avx512_linear_f32
-// forms them; each thread takes its share of every block's rows of w. Every block is checked
-// before any is computed (-1: y untouched).
-extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts,
-                                                int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
-                                                const int64_t* blocks, int64_t count, int64_t out_features,
-                                                int64_t in_features, int threads, void* parallel, void* thread_num,
-                                                void* num_threads) {
+// forms them with chunks of CHUNK; each thread takes its share of every block's rows of w.
+// Every block is checked before any is computed (-1: y untouched). Two entry points, chunks of
+// 512 and of 4096 (_deep), both with the linear-blocks signature (moe_ffn_linear_blocks_f32's)
+// that moe_ffn_routed_swiglu_blocks_f32 calls its projections by.
+namespace {
+
+template <int64_t CHUNK>
+int linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts, int64_t w_expert, int64_t ldw,
+                      float* y, int64_t ldy, const int64_t* blocks, int64_t count, int64_t out_features,
+                      int64_t in_features, int threads, void* parallel, void* thread_num, void* num_threads) {
   if (!ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* b = blocks + 4 * i;
@@ -703,11 +716,32 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
     share(out_features, 6, t, parts, &first, &last);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const Linear p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features};
+      const Linear p{{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features},
+                     CHUNK};
       linear_range(p, first, last);
     }
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts,
+                                                int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
+                                                const int64_t* blocks, int64_t count, int64_t out_features,
+                                                int64_t in_features, int threads, void* parallel, void* thread_num,
+                                                void* num_threads) {
+  return linear_blocks_f32<512>(x, ldx, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                                threads, parallel, thread_num, num_threads);
+}
+
+extern "C" int moe_ffn_avx512_linear_blocks_f32_deep(const float* x, int64_t ldx, const float* w, int64_t experts,
+                                                     int64_t w_expert, int64_t ldw, float* y, int64_t ldy,
+                                                     const int64_t* blocks, int64_t count, int64_t out_features,
+                                                     int64_t in_features, int threads, void* parallel,
+                                                     void* thread_num, void* num_threads) {
+  return linear_blocks_f32<4096>(x, ldx, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                                 threads, parallel, thread_num, num_threads);
 }
 
 // The float32 backward's products of a group's blocks in one parallel region each, every block

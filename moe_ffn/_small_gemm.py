@@ -489,7 +489,9 @@ def _linear_blocks_kernel(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[
     lib, openmp = kernel
     if bf16:
         return lib.moe_ffn_linear_blocks_bf16, openmp
-    return (avx512[0][2] if avx512 is not None else lib.moe_ffn_linear_blocks_f32), openmp
+    if avx512 is not None:  # (the entry point for the depth's chunks)
+        return avx512[0][2][avx512_forward_depth()], openmp
+    return lib.moe_ffn_linear_blocks_f32, openmp
 
 
 def plan_rows(ids_N: Tensor, num_experts: int, top_k: int) -> Optional[tuple[Tensor, Tensor, Tensor]]:
@@ -879,20 +881,25 @@ def _ready_entry_points(ready_name: str, *names: str) -> Optional[tuple]:
 
 @functools.lru_cache(maxsize=None)
 def _avx512_entry_points():
-    """(forward, weight gradient, forward blocks) AVX-512 entry points, or None: the library
-    not built or switched off, built without them, or the CPU (or OS) without AVX-512."""
+    """(forward, weight gradient, {depth: forward blocks}) AVX-512 entry points, or None: the
+    library not built or switched off, built without them, or the CPU (or OS) without AVX-512.
+    The forward blocks' entry points keep the linear-blocks signature that
+    moe_ffn_routed_swiglu_blocks_f32 calls them by, one for each chunk depth
+    (`avx512_forward_depth`)."""
     points = _ready_entry_points(
         "moe_ffn_avx512_ready", "moe_ffn_avx512_linear_f32", "moe_ffn_avx512_weight_grad_f32",
-        "moe_ffn_avx512_linear_blocks_f32",
+        "moe_ffn_avx512_linear_blocks_f32", "moe_ffn_avx512_linear_blocks_f32_deep",
     )
     if points is None:
         return None
-    linear, weight_grad, blocks = points
+    linear, weight_grad, *blocks_by_depth = points
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
+    linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, c_int, ptr, ptr, ptr]
     weight_grad.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, c_int, c_int, c_int, ptr, ptr, ptr]
-    blocks.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
-    return linear, weight_grad, blocks
+    for blocks in blocks_by_depth:
+        blocks.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    depths = (AVX512_FORWARD_DEPTH, AVX512_FORWARD_DEPTH_AMD)  # (moe_ffn_avx512_linear_blocks_f32's, _deep's)
+    return linear, weight_grad, dict(zip(depths, blocks_by_depth))
 
 
 @functools.lru_cache(maxsize=None)
@@ -937,6 +944,20 @@ def _avx512_forward_rows() -> tuple[int, int]:
     return AVX512_FORWARD_ROWS_AMD if _vendor_is_amd() else AVX512_FORWARD_ROWS
 
 
+# The AVX-512 float32 forward sums I's elements this many at a time, each chunk's sums reduced
+# and added to the earlier chunks' in y (so the sums, and their bits, depend on it). Chunks of
+# 512 keep a tile's rows of x and w in L1 (the Xeon's chunks of 1024 ran 0.97× from memory);
+# on AMD's (the Zen 4 EPYC, 2026-12-06) 4096, I whole for the benchmark's shapes, ran 1.10–1.22×
+# from 8 to 40 rows through I = 1024 or 3584 (per product, weights from memory; details at
+# linear_range in _avx512.cpp), level at 1–4 rows and through I = 512.
+AVX512_FORWARD_DEPTH = 512
+AVX512_FORWARD_DEPTH_AMD = 4096
+
+
+def avx512_forward_depth() -> int:
+    return AVX512_FORWARD_DEPTH_AMD if _vendor_is_amd() else AVX512_FORWARD_DEPTH
+
+
 def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
     AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's); returns whether it ran (when
@@ -951,7 +972,7 @@ def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
         raise ValueError(f"avx512_linear_into: x {tuple(x.shape)}, w {tuple(w.shape)} and out {tuple(out.shape)} do not fit")
     status = linear(
         x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), out.data_ptr(), out.stride(0), rows, O, I,
-        torch.get_num_threads(), *openmp,
+        avx512_forward_depth(), torch.get_num_threads(), *openmp,
     )
     return status == 0
 

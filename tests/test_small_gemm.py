@@ -949,14 +949,16 @@ def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
         assert torch.equal(own, out)
 
 
+@pytest.mark.parametrize("depth", [_small_gemm.AVX512_FORWARD_DEPTH, _small_gemm.AVX512_FORWARD_DEPTH_AMD])
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 12, 17, 33, 64])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (64, 1040), (40, 3584)])
-def test_avx512_linear_matches_float64(monkeypatch, rows, shape):
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (64, 1040), (40, 3584), (7, 4200)])
+def test_avx512_linear_matches_float64(monkeypatch, rows, shape, depth):
     """x·wᵀ into a slice of a wider tensor (margins untouched): tiles of 4 rows by 6, their
-    tails, I not a multiple of 16 and I past one 512-element chunk (partial sums carried).
+    tails, I not a multiple of 16 and I past one chunk of either depth (partial sums carried).
     The kernel's whole range (AMD's CPUs send it fewer rows: widened here)."""
     _needs_avx512_kernel()
     monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: _small_gemm.AVX512_FORWARD_ROWS)
+    monkeypatch.setattr(_small_gemm, "avx512_forward_depth", lambda: depth)
     O, I = shape
     x, w = _strided(rows, I), _strided(O, I)
     wide = torch.full((rows, O + 6), float("nan"))
@@ -965,6 +967,33 @@ def test_avx512_linear_matches_float64(monkeypatch, rows, shape):
     bound = _bound(x.double().abs(), w.double().abs().t(), I)
     assert ((out.double() - x.double() @ w.double().t()).abs() <= bound).all()
     assert wide[:, :3].isnan().all() and wide[:, O + 3 :].isnan().all()
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_avx512_forward_depth_is_the_chunk_of_the_sums(monkeypatch, blocks):
+    """Where I's elements are summed in chunks, by hand, all in lane 0 of the sums: a row of
+    8192 with 2^24 at element 0 and 1s at 512, 528, 4096 and 4112. A sum rounds a 1 added to
+    2^24 away (2^24 + 1 ties to even: 2^24), while two 1s summed apart make 2 exactly: chunks
+    of 512 give 2^24 + 4, of 4096 2^24 + 2 (the first pair in 2^24's chunk), one sum over all
+    of I 2^24. The single product for all three; the blocks' call has entry points for the two
+    depths `avx512_forward_depth` chooses between."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: _small_gemm.AVX512_FORWARD_ROWS)
+    x, w = torch.zeros(3, 8192), torch.ones(8, 8192)
+    x[:, 0] = 2.0**24
+    x[:, [512, 528, 4096, 4112]] = 1.0
+    cases = {_small_gemm.AVX512_FORWARD_DEPTH: 2.0**24 + 4, _small_gemm.AVX512_FORWARD_DEPTH_AMD: 2.0**24 + 2}
+    assert set(cases) == {512, 4096}  # (the cases' expected sums are for these depths)
+    if not blocks:
+        cases[8192] = 2.0**24
+    for depth, expected in cases.items():
+        monkeypatch.setattr(_small_gemm, "avx512_forward_depth", lambda: depth)
+        if blocks:
+            out = _small_gemm.linear_blocks(x, w[None], [(0, 0, 3)])
+        else:
+            out = torch.empty(3, 8)
+            assert _small_gemm.avx512_linear_into(out, x, w)
+        assert out is not None and bool((out == expected).all()), (depth, out)
 
 
 def test_avx512_linear_declines_what_it_does_not_take():
