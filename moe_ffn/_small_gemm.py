@@ -114,6 +114,7 @@ import ctypes
 import functools
 import importlib.machinery
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -937,11 +938,22 @@ AVX512_FORWARD_ROWS = (1, 64)
 # weights in turn, 7 rounds: 48 rows 274–289 → 270–310, 64 rows 283–313 → 297–335; level at
 # 32), so there the kernel stops at 40. Layer fp32 forward A/B (9 rounds): Mixtral T=192
 # 1.138×, T=256 1.092× / 1.085×, T=128 and the fine-grained shape (32-row blocks) level.
+# (Measured with the forward's chunks of 512; AMD's CPUs other than Zen 4 keep it unmeasured
+# with chunks of 4096.)
 AVX512_FORWARD_ROWS_AMD = (1, 40)
+# On the Zen 4 EPYC (family 25, 2026-12-06), with chunks of 4096 (`avx512_forward_depth`), the
+# kernel against the layer's oneDNN path (grouped._forward_blocks, weights from memory, 6
+# rounds alternated, GFLOP/s): 48 rows 138–173 against 106–138 (1.10–1.34×), 64 rows 156–178
+# against 130–159 (1.10–1.29×), 96 rows 1.00–1.21×, 128 rows 0.95–1.04×, 256 rows 0.87–1.00×:
+# there it stops at 96. Layer fp32 forward (9 rounds, against 40): Mixtral T = 256 (blocks of
+# ~64 rows) 0.92×, fine-grained T = 256 0.96×; rows to 128 level with 96.
+AVX512_FORWARD_ROWS_ZEN4 = (1, 96)
 
 
 def _avx512_forward_rows() -> tuple[int, int]:
-    return AVX512_FORWARD_ROWS_AMD if _vendor_is_amd() else AVX512_FORWARD_ROWS
+    if not _vendor_is_amd():
+        return AVX512_FORWARD_ROWS
+    return AVX512_FORWARD_ROWS_ZEN4 if _cpu_family() == 25 else AVX512_FORWARD_ROWS_AMD
 
 
 # The AVX-512 float32 forward sums I's elements this many at a time, each chunk's sums reduced
@@ -1046,6 +1058,16 @@ def _vendor_is_amd() -> bool:
         return "vendor_id\t: AuthenticAMD" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_family() -> Optional[int]:
+    """The CPU's family as /proc/cpuinfo gives it (AMD's Zen 4: 25, Zen 5: 26); None unread."""
+    try:
+        found = re.search(r"^cpu family\s*:\s*(\d+)", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 @functools.lru_cache(maxsize=None)

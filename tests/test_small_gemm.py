@@ -950,14 +950,15 @@ def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
 
 
 @pytest.mark.parametrize("depth", [_small_gemm.AVX512_FORWARD_DEPTH, _small_gemm.AVX512_FORWARD_DEPTH_AMD])
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 12, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 12, 17, 33, 64, 96])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (64, 1040), (40, 3584), (7, 4200)])
 def test_avx512_linear_matches_float64(monkeypatch, rows, shape, depth):
     """x·wᵀ into a slice of a wider tensor (margins untouched): tiles of 4 rows by 6, their
     tails, I not a multiple of 16 and I past one chunk of either depth (partial sums carried).
-    The kernel's whole range (AMD's CPUs send it fewer rows: widened here)."""
+    The kernel's whole range on any CPU (each CPU sends it its own: widened here)."""
     _needs_avx512_kernel()
-    monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: _small_gemm.AVX512_FORWARD_ROWS)
+    most = max(_small_gemm.AVX512_FORWARD_ROWS[1], _small_gemm.AVX512_FORWARD_ROWS_ZEN4[1])
+    monkeypatch.setattr(_small_gemm, "_avx512_forward_rows", lambda: (1, most))
     monkeypatch.setattr(_small_gemm, "avx512_forward_depth", lambda: depth)
     O, I = shape
     x, w = _strided(rows, I), _strided(O, I)
@@ -1009,20 +1010,31 @@ def test_avx512_linear_declines_what_it_does_not_take():
         _small_gemm.avx512_linear_into(out[:lo, :20], torch.randn(lo, 40), w)
 
 
-@pytest.mark.parametrize("amd", [True, False])
-def test_avx512_linear_row_range_by_vendor(monkeypatch, amd):
-    """On AMD's AVX-512 CPUs (forced here) the forward kernel takes up to
-    AVX512_FORWARD_ROWS_AMD rows and leaves larger blocks to oneDNN; elsewhere up to
-    AVX512_FORWARD_ROWS."""
+@pytest.mark.parametrize("amd, family", [(True, 25), (True, 26), (False, 6)])
+def test_avx512_linear_row_range_by_vendor(monkeypatch, amd, family):
+    """On AMD's AVX-512 CPUs (forced here) the forward kernel takes up to AVX512_FORWARD_ROWS_AMD
+    rows, on Zen 4 (family 25) AVX512_FORWARD_ROWS_ZEN4, and leaves larger blocks to oneDNN;
+    elsewhere up to AVX512_FORWARD_ROWS."""
     _needs_avx512_kernel()
     monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: amd)
-    hi = (_small_gemm.AVX512_FORWARD_ROWS_AMD if amd else _small_gemm.AVX512_FORWARD_ROWS)[1]
-    assert hi < _small_gemm.AVX512_FORWARD_ROWS[1] or not amd
+    monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: family)
+    expected = {(True, 25): 96, (True, 26): 40, (False, 6): 64}[amd, family]
+    hi = _small_gemm._avx512_forward_rows()[1]
+    assert hi == expected
     w = torch.randn(24, 40)
     for rows, taken in ((hi, True), (hi + 1, False)):
         out = torch.full((rows, 24), 7.0)
         assert _small_gemm.avx512_linear_into(out, torch.randn(rows, 40), w) == taken
         assert bool((out == 7).all()) != taken
+
+
+def test_cpu_family_is_this_cpus():
+    """_cpu_family reads /proc/cpuinfo's "cpu family" (by hand here: its first such line)."""
+    lines = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("cpu family")]
+    if not lines:
+        pytest.skip("no cpu family in /proc/cpuinfo here")
+    _small_gemm._cpu_family.cache_clear()
+    assert _small_gemm._cpu_family() == int(lines[0].split(":")[1])
 
 
 def test_avx512_weight_grad_declines_what_it_does_not_take():
