@@ -103,15 +103,36 @@ inline void store16(bf16_t* at, __m512 v) {
 inline void store16(float* at, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(at, lanes, v); }
 inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_epi16(at, lanes, to_bf16(v)); }
 
-// With AHEAD, each step prefetches the tile's part of b's row AHEAD steps on into L2.
+// The lines of a range of rows (each row `bytes` from `at`, rows ld apart, from memory),
+// prefetched into L2 one per call of step(), which a tile's steps call: a panel's next rows
+// come in spread over the products of this one, not in a burst that waits on memory.
+struct RowLines {
+  const char* at = nullptr;
+  int64_t ld = 0, bytes = 0, offset = 0, rows = 0;
+  void step() {
+    if (rows == 0) return;
+    _mm_prefetch(at + offset, _MM_HINT_T1);
+    offset += 64;
+    if (offset >= bytes) {
+      offset = 0;
+      at += ld;
+      --rows;
+    }
+  }
+};
+
+// With AHEAD, each step prefetches the tile's part of b's row AHEAD steps on into L2; with
+// `lines`, each step prefetches one of their lines.
 template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, int AHEAD = 0,
           typename TA, typename TB, typename TC>
-void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc, int64_t k, __mmask16 last) {
+void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc, int64_t k, __mmask16 last,
+          RowLines* lines = nullptr) {
   static_assert(!ACCUMULATE || sizeof(TC) == 4, "a bf16 result is rounded once, never added to");
   __m512 acc[ROWS][VECS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < k; ++s) {
+    if (lines != nullptr) lines->step();
     if constexpr (AHEAD > 0) {
       if (s + AHEAD < k)
         for (int l = 0; l < VECS * 16 * int(sizeof(TB)); l += 64)
@@ -236,21 +257,23 @@ constexpr int64_t kMatmulRows = 96;
 // cache) 1.02 / 1.01×; Mixtral's 64-row blocks 1.04×; 128 rows 1.02×. Layer, fp32
 // forward+backward fine-grained T = 256 1.026× (11 rounds), T = 16 / 2048 and Mixtral T = 256
 // level (on Intel only small groups' input gradients run here, grouped.py).
-// While it copies, it prefetches `next` (the panel this thread copies after this one, or none)
-// into L2, row by row: the copy had waited on memory with nothing to overlap, 128 rows 4 KiB
-// apart, more pages than the hardware's streams follow. Measured on the 2-core Xeon
-// (2026-12-05; 64 experts' 32-row blocks in one call, old and new library in alternating
-// processes): 1024×1024 142–150 → 151–162 GFLOP/s, 1024×512 146–161 → 166–192; layer fp32
-// forward+backward fine-grained T = 256 1.01–1.10× (3 pairs). Prefetching one line of each row
-// per step inside the first row tiles instead: 0.75× (the prefetches' misses held the fill
-// buffers that the tiles' loads of a need); two panels ahead, or into L3: level.
-inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth, const float* next) {
+// The panel this thread copies after this one comes into L2 while this one's row tiles run, one
+// line a step (RowLines, matmul_panel): the copy had waited on memory with nothing to overlap,
+// 128 rows 4 KiB apart, more pages than the hardware's streams follow. Prefetched during the
+// copy (2-core Xeon, 2026-12-05; 64 experts' 32-row blocks in one call, old and new library in
+// alternating processes): 1024×1024 142–150 → 151–162 GFLOP/s, 1024×512 146–161 → 166–192;
+// layer fp32 forward+backward fine-grained T = 256 1.01–1.10× (3 pairs); there one line of each
+// row per step inside the first row tiles ran 0.75× (the prefetches' misses held the fill
+// buffers that the tiles' loads of a need), two panels ahead or into L3 level. Spread over all
+// of the panel's row tiles instead of the copy, on the Zen 4 EPYC (2026-12-06; blocks of 64 or
+// 8 experts' weights from memory in one call, alternated, 6–8 rounds, same bits, GFLOP/s):
+// 32 rows 1024×1024 123 → 146, 1024×512 120 → 147, 1024×3584 126 → 163 (1.17–1.30×), 16 rows
+// 1.14–1.26×, 64 rows 1.11–1.16×, 128 rows 1.06–1.15×, 8 rows 1.04–1.06×. Not measured on
+// Intel's CPUs (where only small groups' input gradients run here).
+inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
   alignas(64) static thread_local float panel[kMatmulDepth * 64];
-  for (int64_t s = 0; s < depth; ++s) {
+  for (int64_t s = 0; s < depth; ++s)
     for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(b + s * ldb + 16 * j));
-    if (next != nullptr)
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + s * ldb + 16 * j), _MM_HINT_T1);
-  }
   return panel;
 }
 
@@ -266,18 +289,19 @@ constexpr int kPanelAhead = 32;
 // ldb apart) over `depth` steps; AHEAD as in tile.
 template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, int AHEAD, typename TA, typename TB, typename TC>
 void panel_tiles(const TA* a, int64_t row_step, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc,
-                 int64_t rows, int64_t depth, __mmask16 last) {
+                 int64_t rows, int64_t depth, __mmask16 last, RowLines* lines = nullptr) {
   int64_t r = 0;
   for (; r + 6 <= rows; r += 6)
-    tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a + r * row_step, lda, b, ldb, c + r * ldc, ldc, depth, last);
+    tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a + r * row_step, lda, b, ldb, c + r * ldc, ldc, depth, last,
+                                                            lines);
   a += r * row_step;
   c += r * ldc;
   switch (rows - r) {
-    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
-    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
-    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
-    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
-    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last); break;
+    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
+    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
+    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
+    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
+    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
     default: break;
   }
 }
@@ -289,17 +313,19 @@ void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth,
   const auto* a = p.a + (A_ROWS ? r0 * p.lda + s0 : s0 * p.lda + r0);
   const auto* b = p.b + s0 * p.ldb + q;
   int64_t ldb = p.ldb;
+  RowLines lines;  // (next's depth rows of 64 columns, while the row tiles run)
   if constexpr (VECS == 4 && !MASKED && std::is_same_v<std::decay_t<decltype(*p.b)>, float>) {
     if (r1 - r0 > 6) {  // more than one row tile reads the panel
-      b = pack_panel(b, p.ldb, depth, next);
+      b = pack_panel(b, p.ldb, depth);
       ldb = 64;
+      if (next != nullptr) lines = RowLines{reinterpret_cast<const char*>(next), p.ldb * 4, 64 * 4, 0, depth};
     }
   }
   auto* c = p.c + r0 * p.ldc + q;
   if (r1 - r0 <= 6 && ldb == p.ldb)  // one row tile reading b in place: its rows kPanelAhead steps on into L2
     panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last);
   else
-    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, 0>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last);
+    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, 0>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last, &lines);
 }
 
 // c's rows [r0, r1) and columns [first, last_column), steps [s0, s0 + depth) of the sums.
@@ -582,7 +608,7 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
   transpose_columns(p.a, p.lda, p.k, first, last, at);
   const int64_t whole = p.n / 64 * 64;
   for (int64_t q = 0; q < whole; q += 64) {
-    const float* panel = pack_panel(p.b + q, p.ldb, p.k, nullptr);
+    const float* panel = pack_panel(p.b + q, p.ldb, p.k);
     const float* a = at;
     float* c = p.c + first * p.ldc + q;
     int64_t r = 0;
@@ -1252,31 +1278,6 @@ void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_
   }
 }
 
-// The lines of a range of rows of w (each row `bytes` from `at`, rows ld apart), prefetched one
-// per call of step(), one per pair step of the tiles: the next chunk's rows (or the next
-// block's first chunk) come in while this chunk's products run, where they came in only as the
-// next chunk was packed (per product, one call for all experts: 16 rows 249–327 → 268–431
-// GFLOP/s, 32 rows 380–467 → 468–607, 64 rows 501–635 → 584–751; Zen 5 EPYC, into L1). Both
-// these and pack_pairs' prefetch into L2: on the Zen 4 EPYC (2026-12-06), layer bf16
-// forward+backward with the weights out of the caches (three layers in turn, 11 rounds, same
-// bits), T = 16 Mixtral 0.83×, fine 0.86× against prefetches into L1 (T = 256 1.00 / 0.92×,
-// T = 1 level: its 1-row blocks take the widening kernel); the L1 prefetches' misses held the
-// fill buffers the packing's own loads need. Not re-measured on Zen 5.
-struct RowLines {
-  const char* at = nullptr;
-  int64_t ld = 0, bytes = 0, offset = 0, rows = 0;
-  void step() {
-    if (rows == 0) return;
-    _mm_prefetch(at + offset, _MM_HINT_T1);
-    offset += 64;
-    if (offset >= bytes) {
-      offset = 0;
-      at += ld;
-      --rows;
-    }
-  }
-};
-
 // ROWS rows of g from r over one chunk [o0, o0 + depth) of the panel; `sums` [rows][kGradPanel]
 // float32 carried between chunks (FIRST: not read; LAST: the results rounded into y's columns
 // [q, q + cols) instead of written back).
@@ -1327,6 +1328,15 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
   }
 }
 
+// The next chunk's rows of w (or the next block's first chunk), one line per pair step of the tiles
+// (RowLines), come in while this chunk's products run, where they came in only as the next chunk
+// was packed (per product, one call for all experts: 16 rows 249–327 → 268–431 GFLOP/s, 32 rows
+// 380–467 → 468–607, 64 rows 501–635 → 584–751; Zen 5 EPYC, into L1). Both these and pack_pairs'
+// prefetch into L2: on the Zen 4 EPYC (2026-12-06), layer bf16 forward+backward with the weights
+// out of the caches (three layers in turn, 11 rounds, same bits), T = 16 Mixtral 0.83×, fine 0.86×
+// against prefetches into L1 (T = 256 1.00 / 0.92×, T = 1 level: its 1-row blocks take the widening
+// kernel); the L1 prefetches' misses held the fill buffers the packing's own loads need. Not
+// re-measured on Zen 5.
 // y's columns [first, last); false where the scratch could not be had.
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
   const bool shallow = p.m <= kShallowRows && (last - first) * kGradDepth * 2 > kShallowBytes;
