@@ -972,8 +972,9 @@ def avx512_forward_depth() -> int:
 
 def avx512_linear_into(out: Tensor, x: Tensor, w: Tensor) -> bool:
     """out = x·wᵀ (float32 x [rows, I], w [O, I], out [rows, O]) by the AVX-512 kernel, for
-    AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's); returns whether it ran (when
-    False, `out` is untouched)."""
+    AVX512_FORWARD_ROWS rows (AVX512_FORWARD_ROWS_AMD on AMD's, AVX512_FORWARD_ROWS_ZEN4 on
+    Zen 4), I summed in chunks of `avx512_forward_depth()`; returns whether it ran (when False,
+    `out` is untouched)."""
     rows = x.shape[0]
     found = _avx512_for(rows, _avx512_forward_rows(), (x, w), out)
     if found is None:
