@@ -949,7 +949,8 @@ inline __m512bh pairs(const bf16_t* p) { return (__m512bh)_mm512_loadu_si512(p);
 inline __m512bh pairs(const bf16_t* p, __mmask32 lanes) { return (__m512bh)_mm512_maskz_loadu_epi16(lanes, p); }
 
 template <int ROWS, int COLS>
-void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next, int next_rows) {
+void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next, int next_rows,
+              int next_step) {
   __m512 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -958,7 +959,7 @@ void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, 
     __m512bh w_k[COLS];
     for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
     for (int j = 0; j < next_rows; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(next + j * p.ldw + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + j * next_step * p.ldw + k), _MM_HINT_T1);
     for (int i = 0; i < ROWS; ++i) {
       const __m512bh x_k = pairs(x + i * p.ldx + k);
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
@@ -988,21 +989,31 @@ void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, 
     for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = rounded[i * COLS + j];
 }
 
-// The strip's first tile (the one that reads its rows of w from memory) prefetches the next
-// strip's rows, `next_rows` of them, line by line as it reads its own, into L2.
+// The strip's tiles prefetch the next strip's rows (`next_rows` of them) into L2, line by line
+// as they read their own, the rows shared out among the tiles: tile t takes rows t, t + tiles,
+// ... So the memory keeps streaming while the later tiles re-read this strip from L1; when the
+// first tile alone prefetched them, blocks of 8 rows and more left it idle for those tiles. On
+// the Zen 4 EPYC (2026-12-06), per product with the weights out of the caches (6 rounds, the
+// same bits), 8 rows 1.10-1.30x, 12 rows 1.06-1.31x, 16 rows 1.08-1.30x, 4 rows (one tile)
+// level; layer bf16 forward Mixtral T = 16 0.975x, T = 64 0.93x, fine-grained T = 128 0.92x.
 template <int COLS>
 void dot_strip(const LinearBf16& p, int64_t o, int next_rows) {
   const bf16_t* w = p.w + o * p.ldw;
   const bf16_t* next = w + COLS * p.ldw;
+  const int tiles = static_cast<int>((p.rows + 3) / 4);
+  // tile t prefetches the next strip's rows t, t + tiles, ...
+  auto share = [&](int t) { return t < next_rows ? (next_rows - t + tiles - 1) / tiles : 0; };
   int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4, next_rows = 0)
-    dot_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, next, next_rows);
+  int t = 0;
+  for (; r + 4 <= p.rows; r += 4, ++t)
+    dot_tile<4, COLS>(p, p.x + r * p.ldx, w, p.y + r * p.ldy + o, next + t * p.ldw, share(t), tiles);
   const bf16_t* x = p.x + r * p.ldx;
   bf16_t* y = p.y + r * p.ldy + o;
+  const bf16_t* ahead = next + t * p.ldw;
   switch (p.rows - r) {
-    case 3: dot_tile<3, COLS>(p, x, w, y, next, next_rows); break;
-    case 2: dot_tile<2, COLS>(p, x, w, y, next, next_rows); break;
-    case 1: dot_tile<1, COLS>(p, x, w, y, next, next_rows); break;
+    case 3: dot_tile<3, COLS>(p, x, w, y, ahead, share(t), tiles); break;
+    case 2: dot_tile<2, COLS>(p, x, w, y, ahead, share(t), tiles); break;
+    case 1: dot_tile<1, COLS>(p, x, w, y, ahead, share(t), tiles); break;
     default: break;
   }
 }
@@ -1585,8 +1596,13 @@ void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T*
 #pragma GCC pop_options
 
 // Blocks of up to kDotMaxRows rows take the dot-product tiles, larger ones (with an even I) the
-// outer products.
-constexpr int64_t kDotMaxRows = 16;
+// outer products. 16 until the dot tiles shared the next strip's prefetches (dot_strip); then,
+// on the Zen 4 EPYC (2026-12-06, per product, weights out of the caches, 6 rounds, GFLOP/s on
+// the four benchmark shapes) the dot tiles beat the outer products at 17 rows 1.15-1.50x, 20
+// rows 1.18-1.51x, 24 rows 1.03-1.28x, and were mixed at 28 (0.86-1.22x) and behind at 32-40
+// (0.85-1.04x). Layer bf16 forward, against 16 (same process, 7 rounds): Mixtral T = 64 0.79x,
+// fine-grained T = 128 0.89x, T = 256 level. Not measured on Zen 5 or Intel's CPUs.
+constexpr int64_t kDotMaxRows = 24;
 static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
 // 1 where the bf16 forward below runs (AVX-512 F/BW/VL and AVX512_BF16, enabled by the OS).

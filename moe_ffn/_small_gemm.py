@@ -1292,7 +1292,9 @@ def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
 # Since 9f10acc and 75a434c (2026-12-03) the outer products go over packed groups of 16 rows in
 # register tiles of 3 or 2 groups (a block computes fewer than 16 rows it does not need, where
 # 32-row tiles computed up to 31: 33 rows 310–437 → 370–557 GFLOP/s, 48 rows 426–606 → 519–776)
-# and each tile prefetches the next tile's rows of w (32 rows 507–764 → 650–826).
+# and each tile prefetches the next tile's rows of w (32 rows 507–764 → 650–826). Since the
+# dot-product tiles share out the next strip's prefetches among them (2026-12-06, Zen 4) they
+# take blocks of up to 24 rows (kDotMaxRows in _avx512.cpp, with the measurements).
 BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
 

@@ -1208,12 +1208,12 @@ def test_bf16_forward_of_one_row_is_the_tiles_sum_bit_for_bit(shape):
 
 @pytest.mark.parametrize("shape", [(1, 2), (7, 50), (13, 100), (31, 40), (100, 78), (1040, 64), (40, 3584), (7, 33)])
 def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
-    """Blocks past 16 rows (an even I): outer products over packed groups of 16 rows, in
+    """Blocks past 24 rows (an even I): outer products over packed groups of 16 rows, in
     register tiles of 3 groups and of 2 by 8 or 12 of w's rows and their tails, w's rows 48 at
-    a time; blocks of 17, 33, 70, 64, 100 and 44 rows: 2 groups (the second part full), 2 + a
-    tail of 1 on the dot-product tiles, 2 + 2 + 6 on them, 2 + 2, 3 + 3 + 4 on them, 3 (a
-    tail of 12 is a group of its own); an odd I (7, 33): the dot-product tiles. Into a slice
-    of a wider tensor, rows between blocks untouched."""
+    a time; blocks of 17 (the dot-product tiles, in tiles of 4 rows and a tail of 1), 33, 70,
+    64, 100 and 44 rows: 2 groups + a tail of 1 on the dot-product tiles, 2 + 2 + 6 on them,
+    2 + 2, 3 + 3 + 4 on them, 3 (a tail of 12 is a group of its own); an odd I (7, 33): the
+    dot-product tiles. Into a slice of a wider tensor, rows between blocks untouched."""
     _needs_bf16_blocks()
     O, I = shape
     blocks = [(1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 185), (0, 185, 285), (2, 285, 329)]
@@ -1227,6 +1227,37 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
         bound = _bound(x[start:stop].double().abs(), w[e].double().abs().t(), I)
         _bf16_within_one_rounding(out[start:stop], exact, bound)
     assert wide[50].isnan().all() and wide[:, 0].isnan().all() and wide[:, O + 1 :].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [5, 8, 13, 17, 24, 25])
+def test_bf16_forward_blocks_to_24_rows_sum_on_the_dot_product_tiles(rows):
+    """Blocks of up to 24 rows take the dot-product tiles: each of the 16 lanes sums every 16th
+    pair of I, then the lanes are added. Hand-made sums tell them from the outer products'
+    single running sum (blocks past 24 rows): w's row holds 2^25 and -2^25 in lane 0's pairs 0
+    and 16, eight 1s in lanes 1-4's first pairs and a 1 in lane 4's pair 20, where x holds the
+    row's index r. The lanes get 0, 2, 2, 2, 2 + r: 8 + r. A running sum loses each 1 to 2^25
+    (2^25 + 1 rounds back to it) and gets r: a block of 25 rows. Over strips of 6 of w's rows
+    and a tail (O = 100), in tiles of 4 rows and a tail, the next strip's prefetches shared out
+    among them; each row's bits as alone."""
+    _needs_bf16_blocks()
+    O, I = 100, 1024
+    x, w = torch.zeros(rows, I), torch.zeros(2, O, I)
+    x[:, :34] = 1.0
+    x[:, 40] = torch.arange(rows, dtype=torch.float32)
+    w[1, :, 0], w[1, :, 32], w[1, :, 2:10], w[1, :, 40] = 2.0**25, -(2.0**25), 1.0, 1.0
+    x, w = x.bfloat16(), w.bfloat16()
+    block = _small_gemm.linear_blocks(x, w, [(1, 0, rows)])
+    expected = ((8.0 if rows <= 24 else 0.0) + torch.arange(rows, dtype=torch.float32))[:, None].expand(rows, O)
+    assert torch.equal(block.float(), expected)
+    if rows > 24:
+        return
+    torch.manual_seed(rows)
+    w, x = torch.randn(2, O, I).bfloat16(), torch.randn(rows, I).bfloat16()
+    block = _small_gemm.linear_blocks(x, w, [(1, 0, rows)])
+    alone = _small_gemm.linear_blocks(x, w, [(1, r, r + 1) for r in range(rows)])
+    assert torch.equal(block.view(torch.int16), alone.view(torch.int16))
+    exact = x.double() @ w[1].double().t()
+    _bf16_within_one_rounding(block, exact, _bound(x.double().abs(), w[1].double().abs().t(), I))
 
 
 @pytest.mark.parametrize(
