@@ -1348,8 +1348,131 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 // against prefetches into L1 (T = 256 1.00 / 0.92×, T = 1 level: its 1-row blocks take the widening
 // kernel); the L1 prefetches' misses held the fill buffers the packing's own loads need. Not
 // re-measured on Zen 5.
+// Blocks of at most kDirectRows rows read w where it lies instead: the products of so few rows
+// of g take less time than packing w's pairs did. A tile of all the block's rows by 64 columns
+// walks down a chunk of kGradDepth rows of w, forming each pair of rows' pairs in registers
+// (unpacklo/hi: columns 0-3, 8-11, ... and 4-7, 12-15, ... of each 32, put in order only when
+// rounded), the sums carried from chunk to chunk in float32 as grad_tile carries them: the same
+// pair products in the same order, the same bits. Each step prefetches the rows kDirectAhead
+// pairs on into L2, running on into the next strip's (or chunk's, or next block's) first rows.
+// On the Zen 4 EPYC (2026-12-06), per product with the weights out of the caches (the four
+// benchmark shapes, 5-7 rounds, same bits), against the packed panels: 2 rows 1.23-1.63x, 3
+// rows 1.31-1.35x, 4 rows 1.22-1.57x, 5 rows 1.26-1.40x, 6 rows 1.24-1.36x (2-6 rows: 24-27
+// GB/s of weight, where the packing read 12-18). 8 pairs ahead ran 0.73-0.93x of 16, 32 pairs
+// 1.00-1.14x of 16, 48-96 level with 32. Blocks of 7-12 rows as two tiles per strip (the
+// second re-reading it), chunks of 64-256 rows: 8 rows 0.92-1.16x, 10-12 rows 0.74-0.90x the
+// packed panels, hence 6. Layer bf16 forward+backward T = 16 (blocks of 1-8 rows; 9 rounds,
+// same bits, two runs): Mixtral 0.92x, fine-grained 0.92-0.94x. Not measured on Zen 5.
+constexpr int64_t kDirectRows = 6;
+constexpr int64_t kDirectAhead = 32;
+
+template <int ROWS, bool FIRST, bool LAST>
+void direct_tile(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
+                 const bf16_t* after, int64_t after_pairs) {
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
+  const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
+  const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
+  const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
+  const int lines = cols > 32 ? 2 : 1;
+  const bf16_t* g = p.a + o0;
+  const int64_t pairs = depth / 2, ld2 = 2 * p.ldb;
+  const bf16_t* even = p.b + o0 * p.ldb + q;
+  for (int64_t pr = 0; pr < pairs; ++pr, even += ld2) {
+    const int64_t s = pr + kDirectAhead;
+    const bf16_t* ahead = s < pairs ? even + kDirectAhead * ld2 : (s - pairs < after_pairs ? after + (s - pairs) * ld2 : nullptr);
+    if (ahead != nullptr)
+      for (int l = 0; l < lines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * l), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p.ldb + 32 * l), _MM_HINT_T1);
+      }
+    const __m512i a0 = _mm512_maskz_loadu_epi16(m0, even), b0 = _mm512_maskz_loadu_epi16(m0, even + p.ldb);
+    const __m512i a1 = _mm512_maskz_loadu_epi16(m1, even + 32), b1 = _mm512_maskz_loadu_epi16(m1, even + p.ldb + 32);
+    const __m512bh w_p[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                             (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+    for (int i = 0; i < ROWS; ++i) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
+      const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+    }
+  }
+  if (!LAST) {
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + i * 64 + 16 * j, acc[i][j]);
+    return;
+  }
+  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < ROWS; ++i) {
+    bf16_t* y = p.c + i * p.ldc + q;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 ordered[2] = {_mm512_permutex2var_ps(acc[i][2 * h], lower, acc[i][2 * h + 1]),
+                                 _mm512_permutex2var_ps(acc[i][2 * h], upper, acc[i][2 * h + 1])};
+      for (int j = 0; j < 2; ++j) {
+        const int64_t c0 = 32 * h + 16 * j, n = std::max<int64_t>(0, std::min<int64_t>(16, cols - c0));
+        if (n == 16) store16<false>(y + c0, ordered[j]);
+        else if (n > 0) store16(y + c0, ordered[j], static_cast<__mmask16>((1u << n) - 1));
+      }
+    }
+  }
+}
+
+template <bool FIRST, bool LAST>
+void direct_strip(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
+                  const bf16_t* after, int64_t after_pairs) {
+  static_assert(kDirectRows == 6, "one register tile of all the block's rows");
+  switch (p.m) {
+    case 6: direct_tile<6, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    case 5: direct_tile<5, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    case 4: direct_tile<4, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    case 3: direct_tile<3, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    case 2: direct_tile<2, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    case 1: direct_tile<1, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
+    default: break;
+  }
+}
+
+// y's columns [first, last) of a block of at most kDirectRows rows; false where the scratch
+// could not be had.
+bool direct_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
+  const int64_t strips = (last - first + 63) / 64;
+  auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * p.m * 64 * strips));
+  if (sums == nullptr) return false;
+  const int64_t chunk = kGradDepth;
+  for (int64_t o0 = 0; o0 < p.k; o0 += chunk) {
+    const int64_t depth = std::min(chunk, p.k - o0);
+    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
+    for (int64_t i = 0; i < strips; ++i) {
+      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
+      // where the prefetches run on to: the next strip's rows of this chunk, the next chunk's
+      // first strip, or the next block's
+      const bf16_t* after = nullptr;
+      int64_t after_pairs = 0;
+      if (i + 1 < strips) {
+        after = p.b + o0 * p.ldb + q + 64;
+        after_pairs = depth / 2;
+      } else if (!last_chunk) {
+        after = p.b + (o0 + depth) * p.ldb + first;
+        after_pairs = std::min(chunk, p.k - o0 - depth) / 2;
+      } else if (next_w != nullptr) {
+        after = next_w + first;
+        after_pairs = std::min(chunk, p.k) / 2;
+      }
+      float* strip_sums = sums + i * p.m * 64;
+      if (first_chunk && last_chunk) direct_strip<true, true>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else if (first_chunk) direct_strip<true, false>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else if (last_chunk) direct_strip<false, true>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else direct_strip<false, false>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
+    }
+  }
+  return true;
+}
+
 // y's columns [first, last); false where the scratch could not be had.
 bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
+  if (p.m <= kDirectRows) return direct_range(p, first, last, next_w);
   const bool shallow = p.m <= kShallowRows && (last - first) * kGradDepth * 2 > kShallowBytes;
   const int64_t chunk = shallow ? kGradDepth / 2 : kGradDepth;
   const int64_t panel_words = chunk / 2 * kGradPanel, panels = (last - first + kGradPanel - 1) / kGradPanel;

@@ -1132,6 +1132,45 @@ def test_bf16_input_grad_blocks_are_each_blocks_product_rounded_once(shape):
     assert torch.equal(one_by_one[rows], out[rows]) and torch.equal(single[rows], out[rows])
 
 
+@pytest.mark.parametrize("shape", [(2, 1), (6, 33), (258, 64), (300, 130), (1024, 77), (512, 1040)])
+def test_bf16_input_grads_of_2_to_6_rows_read_w_in_place_with_the_packed_sums(shape):
+    """Blocks of 2 to 6 rows take w's pairs straight from its rows (no packed panels): the same
+    pair products in the same order, so each row's bits are the ones it gets within a block of
+    13 rows on the packed panels. Strips of 64 columns and a part-full last one (I = 1, 33, 77,
+    130, 1040), chunks of 256 of w's rows carried in float32 (O = 258, 300, 512, 1024), several
+    blocks in one call (each prefetching into the next's rows)."""
+    _needs_bf16_blocks()
+    O, I = shape
+    torch.manual_seed(O + I)
+    w, g = torch.randn(3, O, I).bfloat16(), torch.randn(33, O).bfloat16()
+    blocks = [(1, 0, 2), (0, 2, 5), (2, 5, 9), (1, 9, 14), (0, 15, 21)]
+    out = _bf16_input_grads_checked(g, w, blocks, unused_row=14)
+    for e, start, stop in blocks:
+        packed = torch.empty(13, I, dtype=torch.bfloat16)
+        rows = torch.cat([g[start:stop], g[21 : 21 + 13 - (stop - start)]])
+        assert _small_gemm.bf16_input_grad_blocks(packed, rows, w, [(e, 0, 13)])
+        assert torch.equal(out[start:stop].view(torch.int16), packed[: stop - start].view(torch.int16))
+
+
+def test_bf16_input_grads_of_few_rows_sum_w_s_pairs_in_order():
+    """Hand-made sums: g's rows all 1s but for row i's value i + 1 at O-index 302; w's column c
+    holds 2^25 at its row 0, 1s at rows 2-9, -2^25 at row 300 (the second chunk of 256 rows)
+    and c mod 8 at row 302. Summed pair after pair from row 0 (as the packed panels do), each
+    1 is lost to 2^25 (2^25 + 1 rounds back to it), the two cancel and row i gets (i + 1)·(c
+    mod 8); the exact sum is 8 more."""
+    _needs_bf16_blocks()
+    O, I = 512, 130
+    w = torch.zeros(1, O, I)
+    w[0, 0], w[0, 2:10], w[0, 300] = 2.0**25, 1.0, -(2.0**25)
+    w[0, 302] = torch.arange(I) % 8
+    for rows in range(2, 7):
+        g = torch.ones(rows, O)
+        g[:, 302] = torch.arange(1, rows + 1)
+        out = torch.empty(rows, I, dtype=torch.bfloat16)
+        assert _small_gemm.bf16_input_grad_blocks(out, g.bfloat16(), w.bfloat16(), [(0, 0, rows)])
+        assert torch.equal(out.float(), g[:, 302:303] * w[0, 302])
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (29, 64), (97, 300), (1024, 512), (520, 1024)])
 @pytest.mark.parametrize("own", [False, True])
 def test_bf16_weight_grad_blocks_are_each_blocks_product_rounded_once(shape, own):
