@@ -121,12 +121,13 @@ struct RowLines {
   }
 };
 
-// With AHEAD, each step prefetches the tile's part of b's row AHEAD steps on into L2; with
-// `lines`, each step prefetches one of their lines.
+// With AHEAD, each step prefetches the tile's part of b's row AHEAD steps on into L2, running
+// on into `after`'s rows (the part of b the next tile reads first, rows ldb apart) past the
+// last step; with `lines`, each step prefetches one of their lines.
 template <int ROWS, int VECS, bool MASKED, bool ACCUMULATE, bool STREAM, bool A_ROWS = false, int AHEAD = 0,
           typename TA, typename TB, typename TC>
 void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc, int64_t k, __mmask16 last,
-          RowLines* lines = nullptr) {
+          RowLines* lines = nullptr, const TB* after = nullptr) {
   static_assert(!ACCUMULATE || sizeof(TC) == 4, "a bf16 result is rounded once, never added to");
   __m512 acc[ROWS][VECS];
   for (int i = 0; i < ROWS; ++i)
@@ -134,9 +135,10 @@ void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc
   for (int64_t s = 0; s < k; ++s) {
     if (lines != nullptr) lines->step();
     if constexpr (AHEAD > 0) {
-      if (s + AHEAD < k)
+      const TB* ahead = s + AHEAD < k ? b + AHEAD * ldb : (after != nullptr ? after + (s + AHEAD - k) * ldb : nullptr);
+      if (ahead != nullptr)
         for (int l = 0; l < VECS * 16 * int(sizeof(TB)); l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + AHEAD * ldb) + l, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead) + l, _MM_HINT_T1);
     }
     __m512 b_s[VECS];
     for (int j = 0; j < VECS; ++j)
@@ -282,26 +284,31 @@ inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
 // on into L2: on the Zen 4 EPYC (2026-12-06), float32 layer forward+backward at T = 16 (input
 // gradients of 2–4-row blocks), weights out of the caches (three layers in turn, 7–9 rounds,
 // same bits), against none: Mixtral 0.84–0.89×, fine-grained 0.88–0.94× (8 steps ahead
-// 0.87 / 0.92×, 16 0.89 / 0.995×, 48 0.93 / 0.94×, 64 0.95 / 0.96×).
+// 0.87 / 0.92×, 16 0.89 / 0.995×, 48 0.93 / 0.94×, 64 0.95 / 0.96×). Past the panel's last
+// steps the prefetches run on into the rows the next panel reads first (matmul_pass's `next`),
+// as the bf16 input gradients' direct tiles do, where the next panel's first 32 steps had waited
+// on memory: per product, weights out of the caches (the four benchmark shapes, 5 rounds, same
+// bits) 2 rows 1.18–1.25×, 4 rows 1.10–1.23×, 6 rows 1.04–1.20×; layer float32
+// forward+backward T = 16 (9 rounds) Mixtral 0.97×, fine-grained 0.93× (2026-12-06).
 constexpr int kPanelAhead = 32;
 
 // The panel's rows of c in register tiles of 6 and a last one of the rest, each reading b (rows
 // ldb apart) over `depth` steps; AHEAD as in tile.
 template <bool A_ROWS, int VECS, bool MASKED, bool ACCUMULATE, int AHEAD, typename TA, typename TB, typename TC>
 void panel_tiles(const TA* a, int64_t row_step, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc,
-                 int64_t rows, int64_t depth, __mmask16 last, RowLines* lines = nullptr) {
+                 int64_t rows, int64_t depth, __mmask16 last, RowLines* lines = nullptr, const TB* after = nullptr) {
   int64_t r = 0;
   for (; r + 6 <= rows; r += 6)
     tile<6, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a + r * row_step, lda, b, ldb, c + r * ldc, ldc, depth, last,
-                                                            lines);
+                                                            lines, after);
   a += r * row_step;
   c += r * ldc;
   switch (rows - r) {
-    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
-    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
-    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
-    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
-    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines); break;
+    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
+    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
+    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
+    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
+    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
     default: break;
   }
 }
@@ -322,8 +329,12 @@ void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth,
     }
   }
   auto* c = p.c + r0 * p.ldc + q;
-  if (r1 - r0 <= 6 && ldb == p.ldb)  // one row tile reading b in place: its rows kPanelAhead steps on into L2
-    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last);
+  if (r1 - r0 <= 6 && ldb == p.ldb) {  // one row tile reading b in place: its rows kPanelAhead steps on into L2
+    const std::decay_t<decltype(*p.b)>* after = nullptr;
+    if constexpr (std::is_same_v<std::decay_t<decltype(*p.b)>, float>) after = next;
+    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last,
+                                                               nullptr, after);
+  }
   else
     panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, 0>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last, &lines);
 }
