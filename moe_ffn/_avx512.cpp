@@ -1664,6 +1664,186 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
   return true;
 }
 
+// ---- input and weight gradients of blocks of 2-6 rows in one pass (bf16) ---------------------
+//
+// For a block of m = 2..6 rows through w [O, I]: y = g·w (the input gradient, as direct_tile
+// forms it) and c = gᵀ·b (the weight gradient, as few_tile forms it below 4 rows and
+// wgrad_tile from 4) over y's columns [first, last), walking down w's rows in strips of 64
+// columns as direct_tile does: each pair of w's rows read once, and c's same two rows of the
+// same columns written right after, so that the weight's reads and the gradient's (streamed)
+// writes share the memory's time instead of taking it in turn (one_row_gradients does this for
+// blocks of one row). The same operations on each value as those kernels, in the same order:
+// the same bits. b's rows of the strip are widened (m < 4) or paired in column order (m ≥ 4)
+// once per strip and chunk, into `b_part` (L1). On the Zen 4 EPYC (2026-12-06), one call for
+// all blocks against the two calls, the weights and gradients out of the caches (the four
+// benchmark shapes' w1 and w2, 7 rounds, alternated, same bits): 2 rows 0.54-0.63x, 4 rows
+// 0.76-0.80x, 6 rows 0.72-0.84x of the time (2 rows: 35 GB/s read and written together, where
+// the input gradient alone read ~26 and the weight gradient alone wrote ~21-26).
+template <int ROWS, bool FIRST, bool LAST, bool STREAM>
+void few_gradients_tile(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t o0,
+                        int64_t depth, int64_t q, int64_t cols, float* sums, const bf16_t* after, int64_t after_pairs) {
+  constexpr int kPairs = (ROWS + 1) / 2;
+  alignas(64) float b_part[ROWS * 64];  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words)
+  {
+    const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
+    const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
+    const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
+    if constexpr (ROWS < 4) {
+      for (int s = 0; s < ROWS; ++s)
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_maskz_loadu_epi16(h ? m1 : m0, b + s * ldb + q + 32 * h);
+          _mm512_store_ps(b_part + s * 64 + 32 * h, widen16(_mm512_castsi512_si256(v)));
+          _mm512_store_ps(b_part + s * 64 + 32 * h + 16, widen16(_mm512_extracti64x4_epi64(v, 1)));
+        }
+    } else {
+      const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      auto* pairs_out = reinterpret_cast<uint32_t*>(b_part);
+      for (int pp = 0; pp < kPairs; ++pp)
+        for (int h = 0; h < 2; ++h) {
+          const __mmask32 lanes = h ? m1 : m0;
+          const __m512i lo_row = _mm512_maskz_loadu_epi16(lanes, b + 2 * pp * ldb + q + 32 * h);
+          const __m512i hi_row = 2 * pp + 1 < ROWS ? _mm512_maskz_loadu_epi16(lanes, b + (2 * pp + 1) * ldb + q + 32 * h)
+                                                   : _mm512_setzero_si512();
+          const __m512i lo = _mm512_unpacklo_epi16(lo_row, hi_row), hi = _mm512_unpackhi_epi16(lo_row, hi_row);
+          _mm512_store_si512(pairs_out + pp * 64 + 32 * h, _mm512_permutex2var_epi32(lo, lower, hi));
+          _mm512_store_si512(pairs_out + pp * 64 + 32 * h + 16, _mm512_permutex2var_epi32(lo, upper, hi));
+        }
+    }
+  }
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
+  const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
+  const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
+  const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
+  const int lines = cols > 32 ? 2 : 1;
+  const bf16_t* g = p.a + o0;
+  const int64_t pairs = depth / 2, ld2 = 2 * p.ldb;
+  const bf16_t* even = p.b + o0 * p.ldb + q;
+  bf16_t* c_row = c + o0 * ldc + q;
+  for (int64_t pr = 0; pr < pairs; ++pr, even += ld2) {
+    const int64_t s = pr + kDirectAhead;
+    const bf16_t* ahead = s < pairs ? even + kDirectAhead * ld2 : (s - pairs < after_pairs ? after + (s - pairs) * ld2 : nullptr);
+    if (ahead != nullptr)
+      for (int l = 0; l < lines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * l), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p.ldb + 32 * l), _MM_HINT_T1);
+      }
+    const __m512i a0 = _mm512_maskz_loadu_epi16(m0, even), b0 = _mm512_maskz_loadu_epi16(m0, even + p.ldb);
+    const __m512i a1 = _mm512_maskz_loadu_epi16(m1, even + 32), b1 = _mm512_maskz_loadu_epi16(m1, even + p.ldb + 32);
+    const __m512bh w_p[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                             (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+    for (int i = 0; i < ROWS; ++i) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
+      const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+    }
+    // c's rows o0 + 2pr and o0 + 2pr + 1 over the strip
+    for (int t = 0; t < 2; ++t, c_row += ldc) {
+      const int64_t o = 2 * pr + t;  // (within the chunk: g's column o0 + o)
+      __m512 v[4];
+      if constexpr (ROWS < 4) {
+        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 a_r = _mm512_set1_ps(widen(g[r * p.lda + o]));
+          for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        for (int pp = 0; pp < kPairs; ++pp) {
+          uint32_t pair = g[2 * pp * p.lda + o];
+          if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(g[(2 * pp + 1) * p.lda + o]) << 16;
+          const __m512bh a_pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int j = 0; j < 4; ++j)
+            v[j] = _mm512_dpbf16_ps(v[j], a_pp, (__m512bh)_mm512_load_si512(reinterpret_cast<const uint32_t*>(b_part) + pp * 64 + 16 * j));
+        }
+      }
+      if (cols == 64) {
+        store32<STREAM>(c_row, v[0], v[1]);
+        store32<STREAM>(c_row + 32, v[2], v[3]);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+          if (n == 16) store16<false>(c_row + 16 * j, v[j]);
+          else if (n > 0) store16(c_row + 16 * j, v[j], static_cast<__mmask16>((1u << n) - 1));
+        }
+      }
+    }
+  }
+  if (!LAST) {
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + i * 64 + 16 * j, acc[i][j]);
+    return;
+  }
+  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < ROWS; ++i) {
+    bf16_t* y = p.c + i * p.ldc + q;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 ordered[2] = {_mm512_permutex2var_ps(acc[i][2 * h], lower, acc[i][2 * h + 1]),
+                                 _mm512_permutex2var_ps(acc[i][2 * h], upper, acc[i][2 * h + 1])};
+      for (int j = 0; j < 2; ++j) {
+        const int64_t c0 = 32 * h + 16 * j, n = std::max<int64_t>(0, std::min<int64_t>(16, cols - c0));
+        if (n == 16) store16<false>(y + c0, ordered[j]);
+        else if (n > 0) store16(y + c0, ordered[j], static_cast<__mmask16>((1u << n) - 1));
+      }
+    }
+  }
+}
+
+template <int ROWS, bool STREAM>
+bool few_gradients_rows(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t first,
+                        int64_t last, const bf16_t* next_w) {
+  const int64_t strips = (last - first + 63) / 64;
+  auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * ROWS * 64 * strips));
+  if (sums == nullptr) return false;
+  for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
+    const int64_t depth = std::min(kGradDepth, p.k - o0);
+    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
+    for (int64_t i = 0; i < strips; ++i) {
+      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
+      const bf16_t* after = nullptr;  // (as direct_range)
+      int64_t after_pairs = 0;
+      if (i + 1 < strips) {
+        after = p.b + o0 * p.ldb + q + 64;
+        after_pairs = depth / 2;
+      } else if (!last_chunk) {
+        after = p.b + (o0 + depth) * p.ldb + first;
+        after_pairs = std::min(kGradDepth, p.k - o0 - depth) / 2;
+      } else if (next_w != nullptr) {
+        after = next_w + first;
+        after_pairs = std::min(kGradDepth, p.k) / 2;
+      }
+      float* strip_sums = sums + i * ROWS * 64;
+      if (first_chunk && last_chunk)
+        few_gradients_tile<ROWS, true, true, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else if (first_chunk)
+        few_gradients_tile<ROWS, true, false, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else if (last_chunk)
+        few_gradients_tile<ROWS, false, true, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+      else
+        few_gradients_tile<ROWS, false, false, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+    }
+  }
+  if (STREAM) _mm_sfence();
+  return true;
+}
+
+template <bool STREAM>
+bool few_gradients(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t first,
+                   int64_t last, const bf16_t* next_w) {
+  switch (p.m) {
+    case 6: return few_gradients_rows<6, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    case 5: return few_gradients_rows<5, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    case 4: return few_gradients_rows<4, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    case 3: return few_gradients_rows<3, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    case 2: return few_gradients_rows<2, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    default: return false;
+  }
+}
+
 // ---- input and weight gradients of one-row blocks in one pass --------------------------------
 //
 // For a block of one row through w [O, I]: y = g·w (the input gradient, as whole_sums /
@@ -1871,4 +2051,35 @@ extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg,
                                                     void* parallel, void* thread_num, void* num_threads) {
   return one_row_gradients_blocks(g, ldg, a, lda, b, ldb, w, experts, w_expert, ldw, y, ldy, c, c_expert, ldc, blocks,
                                   count, out_features, in_features, stream, threads, parallel, thread_num, num_threads);
+}
+
+// Input and weight gradients of blocks of 2 to 6 rows through the same weight in one pass
+// (few_gradients): for each block (e, start, stop), y[start:stop] = g[start:stop]·w_e and c_e =
+// g[start:stop]ᵀ·b[start:stop], all bf16: g [rows, O] (O even), b [rows, I], w_e [O, I] (at w +
+// e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c + e·c_expert, rows ldc apart,
+// written over; with `stream` its whole lines past the caches: c and ldc multiples of 64
+// bytes). The same bits as moe_ffn_avx512_input_grad_blocks_bf16_packed and the bf16 weight
+// gradient's entry points (widening below 4 rows, packed pairs from 4) on these blocks. The
+// threads split the columns I (64 at a time). -1 where the CPU lacks AVX512_BF16, O is odd or a
+// block is not of 2 to 6 rows (nothing written).
+extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* b, int64_t ldb,
+                                                     const bf16_t* w, int64_t experts, int64_t w_expert, int64_t ldw,
+                                                     bf16_t* y, int64_t ldy, bf16_t* c, int64_t c_expert, int64_t ldc,
+                                                     const int64_t* blocks, int64_t count, int64_t out_features,
+                                                     int64_t in_features, int stream, int threads, void* parallel,
+                                                     void* thread_num, void* num_threads) {
+  if (!bf16_ready() || out_features < 2 || out_features % 2 || in_features < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t rows = blocks[4 * i + 2] - blocks[4 * i + 1];
+    if (rows < 2 || rows > 6) return -1;
+  }
+  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t next) {
+                       if (first >= last) return true;
+                       const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                             stop - start, out_features, in_features};
+                       const bf16_t* next_w = next < 0 ? nullptr : w + next * w_expert;
+                       return stream ? few_gradients<true>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w)
+                                     : few_gradients<false>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w);
+                     });
 }

@@ -1448,6 +1448,63 @@ def _one_row_gradients_f32_entry_point():
     return fn
 
 
+FEW_ROW_GRADIENTS_ROWS = (2, 6)  # the blocks few_row_gradients takes: 2 to 6 rows
+
+
+@functools.lru_cache(maxsize=None)
+def _few_row_gradients_entry_point():
+    """moe_ffn_avx512_few_row_gradients_bf16 with its argument types where it runs (the bf16
+    blocks kernels' CPUs), else None."""
+    if _bf16_blocks_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_few_row_gradients_bf16")
+    if points is None:
+        return None
+    (fn,) = points
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, c_int, c_int,
+                   ptr, ptr, ptr]
+    return fn
+
+
+def few_row_gradients(
+    y: Tensor, grad_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
+) -> bool:
+    """For every block (e, start, stop) of 2 to 6 rows: y[start:stop] = g[start:stop]·w_EOI[e]
+    and grad_EOI[e] = g[start:stop]ᵀ·b[start:stop] (written over), in one pass over each weight
+    (the kernel's few_gradients: each pair of w's rows read once, the gradient's same rows
+    written right after). All bf16, an even O (AVX512-BF16 CPUs without AMX): the same bits as
+    `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks. g [rows, O], b and y
+    [rows, I]. Returns whether it ran (when False, nothing is written)."""
+    least, most = FEW_ROW_GRADIENTS_ROWS
+    if not (
+        w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and grad_EOI.dim() == 3 and grad_EOI.stride(2) == 1 and blocks
+        and all(least <= stop - start <= most for _, start, stop in blocks) and w_EOI.shape[1] % 2 == 0
+        and all(t.dtype == torch.bfloat16 for t in (y, grad_EOI, g, b, w_EOI))
+    ):
+        return False
+    fn = _few_row_gradients_entry_point()
+    kernel = _kernel_for((g, b), None) if fn is not None else None
+    if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g)):
+        return False
+    E, O, I = w_EOI.shape
+    rows = g.shape[0]
+    if not (g.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
+        raise ValueError(f"few_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
+                         f"b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
+    _check_blocks("few_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+    stream = _streamed_gradients(grad_EOI)
+    table, address, count = _block_table(blocks)
+    status = fn(
+        g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
+        y.data_ptr(), y.stride(0), grad_EOI.data_ptr(), grad_EOI.stride(0), grad_EOI.stride(1), address, count, O, I,
+        int(stream), torch.get_num_threads(), *kernel[1],
+    )
+    if status != 0:
+        raise RuntimeError(f"few_row_gradients: the kernel failed on {len(blocks)} blocks (out of memory?)")
+    return True
+
+
 def bf16_weight_grad_blocks(
     out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
 ) -> bool:

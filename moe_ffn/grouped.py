@@ -1347,22 +1347,31 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
     return [False] * len(blocks)
 
 
-def _one_row_gradients(
+def _one_pass_gradients(
     dx: Tensor, grad_w_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list, again: list[bool]
 ) -> list[bool]:
-    """The blocks of one row (not adding to a first piece) whose input gradient g·w_e into dx and
-    weight gradient gᵀ·b into grad_w_EOI[e] one call wrote (AVX512-BF16 CPUs, float32 on AMD's:
-    each of w's rows read once for both, `_small_gemm.one_row_gradients`), as one flag per
-    block. Zen 4 EPYC, layer forward+backward with the weights out of the caches (three layers
-    in turn), against the two calls, interleaved in one process, same bits: bf16 T = 1 Mixtral
-    0.88×, fine-grained 0.89× (15 rounds), T = 16 fine-grained 0.93× (its blocks of one row),
-    Mixtral level (none of one row; 11 rounds); float32 T = 1 0.83× / 0.84×, T = 16
-    fine-grained 0.94×."""
-    fits = [stop - start == 1 and not add for (_, start, stop), add in zip(blocks, again)]
-    chosen = [block for block, f in zip(blocks, fits) if f]
+    """The blocks (not adding to a first piece) whose input gradient g·w_e into dx and weight
+    gradient gᵀ·b into grad_w_EOI[e] one call wrote, each of w's rows read once for both (AVX512-BF16
+    CPUs), as one flag per block: blocks of one row (bf16, and float32 on AMD's CPUs:
+    `_small_gemm.one_row_gradients`) and bf16 blocks of 2 to 6 rows
+    (`_small_gemm.few_row_gradients`), so that the weight's reads and the gradient's writes
+    share the memory's time. Zen 4 EPYC, layer forward+backward with the weights out of the
+    caches (three layers in turn), against the two calls, interleaved in one process, same bits:
+    one row: bf16 T = 1 Mixtral 0.88×, fine-grained 0.89× (15 rounds), T = 16 fine-grained 0.93×
+    (its blocks of one row), Mixtral level (none of one row; 11 rounds); float32 T = 1 0.83× /
+    0.84×, T = 16 fine-grained 0.94×. Blocks of 2 to 6 rows (2026-12-06, 9 rounds, same
+    bits): bf16 T = 16 Mixtral 0.90×, fine-grained 0.86×."""
+    done = [False] * len(blocks)
+    ones = [stop - start == 1 and not add for (_, start, stop), add in zip(blocks, again)]
+    chosen = [block for block, f in zip(blocks, ones) if f]
     if chosen and _small_gemm.one_row_gradients(dx, grad_w_EOI, g, g, b, w_EOI, chosen):
-        return fits
-    return [False] * len(blocks)
+        done = ones
+    least, most = _small_gemm.FEW_ROW_GRADIENTS_ROWS
+    few = [least <= stop - start <= most and not add for (_, start, stop), add in zip(blocks, again)]
+    picked = [block for block, f in zip(blocks, few) if f]
+    if picked and _small_gemm.few_row_gradients(dx, grad_w_EOI, g, b, w_EOI, picked):
+        done = [d or f for d, f in zip(done, few)]
+    return done
 
 
 def _merged(done: list[bool], compute) -> list[bool]:
@@ -1517,7 +1526,7 @@ def _ffn_backward(
         if need_w and not all(w_done):
             x_gD = _rows(x, token_N, first, last).to(cdt)
             if not with_bias and not any(w_done):
-                both = _one_row_gradients(dx_gD_, grad_w1, dh_gH, x_gD, w1_EHD, within, again) if need_x else none
+                both = _one_pass_gradients(dx_gD_, grad_w1, dh_gH, x_gD, w1_EHD, within, again) if need_x else none
                 w_done = _merged(both, lambda rest: _weight_grad_blocks(
                     grad_w1, dh_gH, x_gD, [within[i] for i in rest], [again[i] for i in rest]))
         x_done = none
