@@ -1844,6 +1844,99 @@ bool few_gradients(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t*
   }
 }
 
+// float32 blocks of 2-6 rows likewise (AMD's AVX-512 CPUs, where the float32 blocks kernels
+// take every block: see one_row_gradients): y = g·w as matmul_range forms it for so few rows
+// (one tile reading w in place, the sums over O in passes of kMatmulDepth rows, each pass's
+// sums added to y's) and c = aᵀ·b as rows_range's tiles form it (each result's FMAs over the
+// block's rows from zero), down w's rows in strips of 64 columns, c's row of the strip written
+// right after w's is read; the same bits. Prefetches kPanelAhead rows ahead, running on into the
+// next strip's (or pass's, or block's) first rows.
+template <int ROWS, bool STREAM>
+void few_gradients_f32_tile(const Matmul& ig, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                            int64_t ldc, int64_t s0, int64_t depth, int64_t q, int64_t cols, const float* after,
+                            int64_t after_rows) {
+  const int vecs = static_cast<int>((cols + 15) / 16);
+  const __mmask16 last = static_cast<__mmask16>(cols - 16 * (vecs - 1) == 16 ? 0xFFFF : (1u << (cols - 16 * (vecs - 1))) - 1);
+  auto lanes = [&](int j) -> __mmask16 { return j + 1 < vecs ? 0xFFFF : (j + 1 == vecs ? last : 0); };
+  alignas(64) float b_part[ROWS * 64];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(b_part + r * 64 + 16 * j, _mm512_maskz_loadu_ps(lanes(j), b + r * ldb + q + 16 * j));
+  __m512 acc[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* w = ig.b + s0 * ig.ldb + q;
+  float* c_row = c + s0 * ldc + q;
+  for (int64_t s = 0; s < depth; ++s, w += ig.ldb, c_row += ldc) {
+    const int64_t t = s + kPanelAhead;
+    const float* ahead = t < depth ? w + kPanelAhead * ig.ldb : (t - depth < after_rows ? after + (t - depth) * ig.ldb : nullptr);
+    if (ahead != nullptr)
+      for (int l = 0; l < vecs; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * l), _MM_HINT_T1);
+    __m512 w_s[4];
+    for (int j = 0; j < 4; ++j) w_s[j] = _mm512_maskz_loadu_ps(lanes(j), w + 16 * j);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 g_i = _mm512_set1_ps(ig.a[i * ig.lda + s0 + s]);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(g_i, w_s[j], acc[i][j]);
+    }
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 a_r = _mm512_set1_ps(a[r * lda + s0 + s]);
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
+    }
+    for (int j = 0; j < vecs; ++j) {
+      if (j + 1 < vecs || last == 0xFFFF) store16<STREAM>(c_row + 16 * j, v[j]);
+      else store16(c_row + 16 * j, v[j], last);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < vecs; ++j) {
+      float* at = ig.c + i * ig.ldc + q + 16 * j;
+      const __mmask16 m = lanes(j);
+      __m512 y = acc[i][j];
+      if (s0 > 0) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, at));
+      _mm512_mask_storeu_ps(at, m, y);
+    }
+}
+
+template <int ROWS, bool STREAM>
+void few_gradients_f32_rows(const Matmul& ig, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                            int64_t ldc, int64_t first, int64_t last, const float* next_w) {
+  const int64_t strips = (last - first + 63) / 64;
+  for (int64_t s0 = 0; s0 < ig.k; s0 += kMatmulDepth) {
+    const int64_t depth = std::min(kMatmulDepth, ig.k - s0);
+    for (int64_t i = 0; i < strips; ++i) {
+      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
+      const float* after = nullptr;  // (as direct_range)
+      int64_t after_rows = 0;
+      if (i + 1 < strips) {
+        after = ig.b + s0 * ig.ldb + q + 64;
+        after_rows = depth;
+      } else if (s0 + depth < ig.k) {
+        after = ig.b + (s0 + depth) * ig.ldb + first;
+        after_rows = std::min(kMatmulDepth, ig.k - s0 - depth);
+      } else if (next_w != nullptr) {
+        after = next_w + first;
+        after_rows = std::min(kMatmulDepth, ig.k);
+      }
+      few_gradients_f32_tile<ROWS, STREAM>(ig, a, lda, b, ldb, c, ldc, s0, depth, q, cols, after, after_rows);
+    }
+  }
+  if (STREAM) _mm_sfence();
+}
+
+template <bool STREAM>
+bool few_gradients_f32(const Matmul& ig, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                       int64_t ldc, int64_t first, int64_t last, const float* next_w) {
+  switch (ig.m) {
+    case 6: few_gradients_f32_rows<6, STREAM>(ig, a, lda, b, ldb, c, ldc, first, last, next_w); return true;
+    case 5: few_gradients_f32_rows<5, STREAM>(ig, a, lda, b, ldb, c, ldc, first, last, next_w); return true;
+    case 4: few_gradients_f32_rows<4, STREAM>(ig, a, lda, b, ldb, c, ldc, first, last, next_w); return true;
+    case 3: few_gradients_f32_rows<3, STREAM>(ig, a, lda, b, ldb, c, ldc, first, last, next_w); return true;
+    case 2: few_gradients_f32_rows<2, STREAM>(ig, a, lda, b, ldb, c, ldc, first, last, next_w); return true;
+    default: return false;
+  }
+}
+
 // ---- input and weight gradients of one-row blocks in one pass --------------------------------
 //
 // For a block of one row through w [O, I]: y = g·w (the input gradient, as whole_sums /
@@ -2081,5 +2174,34 @@ extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ld
                        const bf16_t* next_w = next < 0 ? nullptr : w + next * w_expert;
                        return stream ? few_gradients<true>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w)
                                      : few_gradients<false>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w);
+                     });
+}
+
+// The float32 blocks of 2 to 6 rows likewise (few_gradients_f32): g, a [rows, O] (may be the
+// same rows), b [rows, I], w_e, y, c_e as above, all float32; the same bits as the float32
+// blocks kernels' input and weight gradients on these blocks. -1 where the CPU lacks
+// AVX512_BF16 (the code lies in that part), I is below 64 a thread or a block is not of 2 to 6
+// rows (nothing written).
+extern "C" int moe_ffn_avx512_few_row_gradients_f32(const float* g, int64_t ldg, const float* a, int64_t lda,
+                                                    const float* b, int64_t ldb, const float* w, int64_t experts,
+                                                    int64_t w_expert, int64_t ldw, float* y, int64_t ldy, float* c,
+                                                    int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
+                                                    int64_t out_features, int64_t in_features, int stream, int threads,
+                                                    void* parallel, void* thread_num, void* num_threads) {
+  if (!bf16_ready() || out_features < 1 || in_features < 64 * threads || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t rows = blocks[4 * i + 2] - blocks[4 * i + 1];
+    if (rows < 2 || rows > 6) return -1;
+  }
+  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t next) {
+                       if (first >= last) return true;
+                       const Matmul ig{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                       stop - start, out_features, in_features};
+                       const float* next_w = next < 0 ? nullptr : w + next * w_expert;
+                       return stream ? few_gradients_f32<true>(ig, a + start * lda, lda, b + start * ldb, ldb,
+                                                               c + e * c_expert, ldc, first, last, next_w)
+                                     : few_gradients_f32<false>(ig, a + start * lda, lda, b + start * ldb, ldb,
+                                                                c + e * c_expert, ldc, first, last, next_w);
                      });
 }

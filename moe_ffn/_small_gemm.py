@@ -1448,46 +1448,64 @@ def _one_row_gradients_f32_entry_point():
     return fn
 
 
-FEW_ROW_GRADIENTS_ROWS = (2, 6)  # the blocks few_row_gradients takes: 2 to 6 rows
+# The blocks few_row_gradients takes, by dtype: bf16 2 to 6 rows, float32 2 to 4. On the Zen 4
+# EPYC (2026-12-06), one call against the two, weights and gradients out of the caches, the four
+# benchmark shapes (7 rounds): bf16 2 rows 0.54-0.63x, 4 rows 0.76-0.80x, 6 rows 0.72-0.84x;
+# float32 2 rows 0.72-0.85x, 3 rows 0.75-0.91x, 4 rows 0.82-0.90x, 5 rows 0.85-1.09x, 6 rows
+# 0.91-1.09x (its 48 FMAs a step for 256 bytes read and 256 written: bound by the FMAs).
+FEW_ROW_GRADIENTS_ROWS = {torch.bfloat16: (2, 6), torch.float32: (2, 4)}
 
 
 @functools.lru_cache(maxsize=None)
-def _few_row_gradients_entry_point():
-    """moe_ffn_avx512_few_row_gradients_bf16 with its argument types where it runs (the bf16
-    blocks kernels' CPUs), else None."""
-    if _bf16_blocks_entry_points() is None:
-        return None
-    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_few_row_gradients_bf16")
+def _few_row_gradients_entry_point(dtype: torch.dtype):
+    """moe_ffn_avx512_few_row_gradients_bf16 (the bf16 blocks kernels' CPUs) or _f32 (the
+    AVX-512 kernels built, a CPU with AVX512-BF16: the code lies in that part) with its argument
+    types where it runs, else None."""
+    if dtype == torch.bfloat16:
+        if _bf16_blocks_entry_points() is None:
+            return None
+        points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_few_row_gradients_bf16")
+        if points is None:
+            return None
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        points[0].argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64,
+                              c_int, c_int, ptr, ptr, ptr]
+        return points[0]
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_few_row_gradients_f32")
     if points is None:
         return None
-    (fn,) = points
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, c_int, c_int,
-                   ptr, ptr, ptr]
-    return fn
+    points[0].argtypes = _ONE_ROW_ARGS
+    return points[0]
 
 
 def few_row_gradients(
     y: Tensor, grad_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
 ) -> bool:
-    """For every block (e, start, stop) of 2 to 6 rows: y[start:stop] = g[start:stop]·w_EOI[e]
-    and grad_EOI[e] = g[start:stop]ᵀ·b[start:stop] (written over), in one pass over each weight
-    (the kernel's few_gradients: each pair of w's rows read once, the gradient's same rows
-    written right after). All bf16, an even O (AVX512-BF16 CPUs without AMX): the same bits as
-    `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks. g [rows, O], b and y
-    [rows, I]. Returns whether it ran (when False, nothing is written)."""
-    least, most = FEW_ROW_GRADIENTS_ROWS
+    """For every block (e, start, stop) of FEW_ROW_GRADIENTS_ROWS rows: y[start:stop] =
+    g[start:stop]·w_EOI[e] and grad_EOI[e] = g[start:stop]ᵀ·b[start:stop] (written over), in one pass over each weight
+    (the kernel's few_gradients: w's rows read once, the gradient's same rows written right
+    after). All bf16 with an even O (AVX512-BF16 CPUs without AMX): the same bits as
+    `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks; all float32 (where
+    `float32_input_grad_blocks` and `float32_weight_grad_blocks` take them, on CPUs with
+    AVX512-BF16): as those two. g [rows, O], b and y [rows, I]. Returns whether it ran (when
+    False, nothing is written)."""
+    dtype = w_EOI.dtype
+    least, most = FEW_ROW_GRADIENTS_ROWS.get(dtype, (1, 0))
     if not (
         w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and grad_EOI.dim() == 3 and grad_EOI.stride(2) == 1 and blocks
-        and all(least <= stop - start <= most for _, start, stop in blocks) and w_EOI.shape[1] % 2 == 0
-        and all(t.dtype == torch.bfloat16 for t in (y, grad_EOI, g, b, w_EOI))
+        and all(least <= stop - start <= most for _, start, stop in blocks)
+        and all(t.dtype == dtype for t in (y, grad_EOI, g, b))
     ):
         return False
-    fn = _few_row_gradients_entry_point()
+    E, O, I = w_EOI.shape
+    if dtype == torch.bfloat16:
+        fn = _few_row_gradients_entry_point(dtype) if O % 2 == 0 else None
+    else:
+        here = _float32_blocks_here(blocks, O * I) and I >= 64 * torch.get_num_threads()
+        fn = _few_row_gradients_entry_point(dtype) if here and _float32_blocks_entry_points() is not None else None
     kernel = _kernel_for((g, b), None) if fn is not None else None
     if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g)):
         return False
-    E, O, I = w_EOI.shape
     rows = g.shape[0]
     if not (g.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
         raise ValueError(f"few_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
@@ -1495,11 +1513,14 @@ def few_row_gradients(
     _check_blocks("few_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
     stream = _streamed_gradients(grad_EOI)
     table, address, count = _block_table(blocks)
-    status = fn(
-        g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
-        y.data_ptr(), y.stride(0), grad_EOI.data_ptr(), grad_EOI.stride(0), grad_EOI.stride(1), address, count, O, I,
-        int(stream), torch.get_num_threads(), *kernel[1],
-    )
+    gradient = (grad_EOI.data_ptr(), grad_EOI.stride(0), grad_EOI.stride(1), address, count, O, I, int(stream))
+    team = (torch.get_num_threads(), *kernel[1])
+    weight = (w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1))
+    if dtype == torch.bfloat16:
+        status = fn(g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), *weight, y.data_ptr(), y.stride(0), *gradient, *team)
+    else:
+        status = fn(g.data_ptr(), g.stride(0), g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), *weight, y.data_ptr(),
+                    y.stride(0), *gradient, *team)
     if status != 0:
         raise RuntimeError(f"few_row_gradients: the kernel failed on {len(blocks)} blocks (out of memory?)")
     return True

@@ -1353,20 +1353,20 @@ def _one_pass_gradients(
     """The blocks (not adding to a first piece) whose input gradient g·w_e into dx and weight
     gradient gᵀ·b into grad_w_EOI[e] one call wrote, each of w's rows read once for both (AVX512-BF16
     CPUs), as one flag per block: blocks of one row (bf16, and float32 on AMD's CPUs:
-    `_small_gemm.one_row_gradients`) and bf16 blocks of 2 to 6 rows
-    (`_small_gemm.few_row_gradients`), so that the weight's reads and the gradient's writes
+    `_small_gemm.one_row_gradients`) and blocks of 2 to 6 rows (bf16; float32 2 to 4, on AMD's
+    CPUs: `_small_gemm.few_row_gradients`), so that the weight's reads and the gradient's writes
     share the memory's time. Zen 4 EPYC, layer forward+backward with the weights out of the
     caches (three layers in turn), against the two calls, interleaved in one process, same bits:
     one row: bf16 T = 1 Mixtral 0.88×, fine-grained 0.89× (15 rounds), T = 16 fine-grained 0.93×
     (its blocks of one row), Mixtral level (none of one row; 11 rounds); float32 T = 1 0.83× /
-    0.84×, T = 16 fine-grained 0.94×. Blocks of 2 to 6 rows (2026-12-06, 9 rounds, same
-    bits): bf16 T = 16 Mixtral 0.90×, fine-grained 0.86×."""
+    0.84×, T = 16 fine-grained 0.94×. Blocks of 2 to 6 / 4 rows (2026-12-06, 9 rounds, same
+    bits): bf16 T = 16 Mixtral 0.90×, fine-grained 0.86×; float32 0.98× / 0.93×."""
     done = [False] * len(blocks)
     ones = [stop - start == 1 and not add for (_, start, stop), add in zip(blocks, again)]
     chosen = [block for block, f in zip(blocks, ones) if f]
     if chosen and _small_gemm.one_row_gradients(dx, grad_w_EOI, g, g, b, w_EOI, chosen):
         done = ones
-    least, most = _small_gemm.FEW_ROW_GRADIENTS_ROWS
+    least, most = _small_gemm.FEW_ROW_GRADIENTS_ROWS.get(w_EOI.dtype, (1, 0))
     few = [least <= stop - start <= most and not add for (_, start, stop), add in zip(blocks, again)]
     picked = [block for block, f in zip(blocks, few) if f]
     if picked and _small_gemm.few_row_gradients(dx, grad_w_EOI, g, b, w_EOI, picked):

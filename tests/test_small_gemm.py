@@ -1427,60 +1427,92 @@ def _needs_one_row_gradients(dtype: torch.dtype):
         pytest.skip("the float32 one-row pass runs where the float32 blocks kernels take every block (AMD's AVX-512 CPUs) with AVX512-BF16")
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (6, 33), (258, 64), (300, 130), (64, 1040), (512, 3584)])
-def test_few_row_gradients_are_the_two_calls_bit_for_bit(shape):
-    """few_row_gradients (bf16 blocks of 2 to 6 rows, each pair of w's rows read once for both
-    gradients): y[start:stop] = g·w_e within one bf16 rounding of float64's product, grad_e =
-    gᵀ·b likewise, and both bit for bit what bf16_input_grad_blocks and bf16_weight_grad_blocks
-    write for these blocks (the weight gradient's widening kernel below 4 rows, its packed
-    pairs from 4), NaNs included (one in g, one in w), on one thread too. Strips of 64 columns
-    and a part-full last one, chunks of 256 of w's rows (O = 258, 300, 512), a streamed
-    gradient ((512, 3584)) and not; rows of y outside the blocks and the expert without a
-    block untouched."""
-    _needs_bf16_blocks()
+@pytest.mark.parametrize("shape", [(2, 1), (6, 33), (258, 64), (300, 130), (64, 1040), (512, 3584), (130, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_few_row_gradients_are_the_two_calls_bit_for_bit(shape, dtype):
+    """few_row_gradients (blocks of 2 to 6 rows in bf16, 2 to 4 in float32, each of w's rows
+    read once for both gradients): y[start:stop] = g·w_e within the float64 bound (bf16: and one
+    bf16 rounding), grad_e = gᵀ·b likewise, and both bit for bit what the input and weight
+    gradients' blocks calls of that dtype write for these blocks (bf16: the weight gradient's
+    widening kernel below 4 rows, its packed pairs from 4), NaNs included (one in g, one in w),
+    on one thread too. Strips of 64 columns and a part-full last one, chunks of 256 (bf16) or
+    128 (float32) of w's rows, a streamed gradient ((512, 3584)) and not; rows of y outside the
+    blocks and the expert without a block untouched. float32 with fewer than 64 columns a
+    thread: declined, nothing written."""
+    _needs_one_row_gradients(dtype)
     O, I = shape
     torch.manual_seed(O + I)
     E, rows = 6, 24
-    w = torch.randn(E, O, I).bfloat16()
-    g, b = torch.randn(rows, O).bfloat16(), torch.randn(rows, I).bfloat16()
-    blocks = [(3, 0, 2), (0, 2, 5), (1, 6, 10), (4, 10, 15), (2, 15, 21)]
+    w = torch.randn(E, O, I).to(dtype)
+    g, b = torch.randn(rows, O).to(dtype), torch.randn(rows, I).to(dtype)
+    if dtype == torch.bfloat16:
+        blocks = [(3, 0, 2), (0, 2, 5), (1, 6, 10), (4, 10, 15), (2, 15, 21)]
+    else:
+        blocks = [(3, 0, 2), (0, 2, 5), (1, 6, 10), (4, 10, 12), (2, 17, 21)]
     if O > 3 and I > 3:
         g[3, 3] = float("nan")  # (row 3 of expert 0's gradient, and y's row 3, all NaN)
         w[1, O - 1, 2] = float("nan")  # (column 2 of y's rows 6-9 NaN)
-    fresh = lambda: (torch.full((rows, I), 7.0).bfloat16(), torch.full((E, O, I), 7.0).bfloat16())  # noqa: E731
+    fresh = lambda: (torch.full((rows, I), 7.0).to(dtype), torch.full((E, O, I), 7.0).to(dtype))  # noqa: E731
     got_y, got_w = fresh()
+    if dtype == torch.float32 and I < 64 * torch.get_num_threads():
+        assert not _small_gemm.few_row_gradients(got_y, got_w, g, b, w, blocks)
+        assert bool((got_y == 7).all()) and bool((got_w == 7).all())
+        return
     assert _small_gemm.few_row_gradients(got_y, got_w, g, b, w, blocks)
     for e, start, stop in blocks:
         gs, bs = g[start:stop].double(), b[start:stop].double()
-        ok = ~got_y[start:stop].isnan()
-        exact = (gs.nan_to_num(0.0) @ w[e].double().nan_to_num(0.0))[ok]
-        bound = _bound(gs.abs().nan_to_num(0.0), w[e].double().abs().nan_to_num(0.0), O)[ok]
-        _bf16_within_one_rounding(got_y[start:stop][ok], exact, bound)
-        ok = ~got_w[e].isnan()
-        exact = (gs.t().nan_to_num(0.0) @ bs)[ok]
-        _bf16_within_one_rounding(got_w[e][ok], exact, _bound(gs.t().abs().nan_to_num(0.0), bs.abs(), stop - start)[ok])
+        for got, exact, bound in (
+            (got_y[start:stop], gs.nan_to_num(0.0) @ w[e].double().nan_to_num(0.0),
+             _bound(gs.abs().nan_to_num(0.0), w[e].double().abs().nan_to_num(0.0), O)),
+            (got_w[e], gs.t().nan_to_num(0.0) @ bs, _bound(gs.t().abs().nan_to_num(0.0), bs.abs(), stop - start)),
+        ):
+            ok = ~got.isnan()
+            if dtype == torch.bfloat16:
+                _bf16_within_one_rounding(got[ok], exact[ok], bound[ok])
+            else:
+                assert ((got[ok].double() - exact[ok]).abs() <= bound[ok]).all()
     if O > 3 and I > 3:
         assert bool(got_w[0][3].isnan().all()) and bool(got_y[3].isnan().all()) and bool(got_y[6:10, 2].isnan().all())
     assert bool((got_y[[5, 21, 22, 23]] == 7).all()) and bool((got_w[5] == 7).all())
     two_y, two_w = fresh()
-    assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
-    assert _small_gemm.bf16_weight_grad_blocks(two_w, g, b, blocks, [False] * len(blocks))
-    assert torch.equal(got_y.view(torch.int16), two_y.view(torch.int16))
-    assert torch.equal(got_w.view(torch.int16), two_w.view(torch.int16))
+    if dtype == torch.bfloat16:
+        assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
+        assert _small_gemm.bf16_weight_grad_blocks(two_w, g, b, blocks, [False] * len(blocks))
+    else:
+        assert _small_gemm.float32_input_grad_blocks(two_y, g, w, blocks)
+        assert all(_small_gemm.float32_weight_grad_blocks(two_w, g, b, blocks, [False] * len(blocks)))
+    bits = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t.view(torch.int32))  # noqa: E731
+    assert torch.equal(bits(got_y), bits(two_y)) and torch.equal(bits(got_w), bits(two_w))
     one_y, one_w = fresh()
     assert _on_one_thread(lambda: _small_gemm.few_row_gradients(one_y, one_w, g, b, w, blocks))
-    assert torch.equal(one_y.view(torch.int16), got_y.view(torch.int16))
-    assert torch.equal(one_w.view(torch.int16), got_w.view(torch.int16))
+    assert torch.equal(bits(one_y), bits(got_y)) and torch.equal(bits(one_w), bits(got_w))
 
 
-def test_layer_backward_takes_few_row_gradients_with_the_same_bits(monkeypatch):
-    """A bf16 MoE layer's backward on a few tokens (blocks of 2 to 6 rows) writes w1's two
-    gradients in one pass (few_row_gradients, called and taking blocks), every gradient bit for
-    bit what the two calls give with it switched off."""
+def test_few_row_gradients_decline_what_they_do_not_take():
+    """Blocks of 1 or 7 rows (float32: 5), an odd O (bf16), float64 tensors: False, nothing
+    written; shapes that do not fit: a clear error."""
     _needs_bf16_blocks()
+    w, g, b = torch.randn(2, 16, 128).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(8, 128).bfloat16()
+    y, grad = torch.full((8, 128), 7.0).bfloat16(), torch.full((2, 16, 128), 7.0).bfloat16()
+    assert not _small_gemm.few_row_gradients(y, grad, g, b, w, [(0, 0, 1)])
+    assert not _small_gemm.few_row_gradients(y, grad, g, b, w, [(0, 0, 2), (1, 1, 8)])
+    assert not _small_gemm.few_row_gradients(y, grad[:, :15], g[:, :15], b, w[:, :15], [(0, 0, 2)])
+    assert not _small_gemm.few_row_gradients(y.float(), grad.float(), g.float(), b.float(), w.float(), [(0, 0, 5)])
+    assert not _small_gemm.few_row_gradients(y.double(), grad.double(), g.double(), b.double(), w.double(), [(0, 0, 2)])
+    assert bool((y == 7).all()) and bool((grad == 7).all())
+    with pytest.raises(ValueError, match="few_row_gradients: .* do not fit"):
+        _small_gemm.few_row_gradients(y, grad, g[:, :14], b, w, [(0, 0, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layer_backward_takes_few_row_gradients_with_the_same_bits(monkeypatch, dtype):
+    """A MoE layer's backward on a few tokens (blocks of 2 to 6 rows) writes w1's two gradients
+    in one pass (few_row_gradients, called and taking blocks), every gradient bit for bit what
+    the two calls give with it switched off."""
+    _needs_one_row_gradients(dtype)
     torch.manual_seed(5)
-    layer = MoE(dim=128, hidden_dim=96, num_experts=4, top_k=2).bfloat16()
-    x, g = torch.randn(9, 128).bfloat16(), torch.randn(9, 128).bfloat16()
+    layer = MoE(dim=128, hidden_dim=96, num_experts=4, top_k=2).to(dtype)
+    x, g = torch.randn(9, 128).to(dtype), torch.randn(9, 128).to(dtype)
 
     def grads():
         layer.zero_grad(set_to_none=True)
@@ -1495,22 +1527,8 @@ def test_layer_backward_takes_few_row_gradients_with_the_same_bits(monkeypatch):
     assert any(taken)
     monkeypatch.setattr(_small_gemm, "few_row_gradients", lambda *a: False)
     apart = grads()
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(fused, apart))
-
-
-def test_few_row_gradients_decline_what_they_do_not_take():
-    """Blocks of 1 or 7 rows, an odd O, float32 tensors: False, nothing written; shapes that do
-    not fit: a clear error."""
-    _needs_bf16_blocks()
-    w, g, b = torch.randn(2, 16, 64).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(8, 64).bfloat16()
-    y, grad = torch.full((8, 64), 7.0).bfloat16(), torch.full((2, 16, 64), 7.0).bfloat16()
-    assert not _small_gemm.few_row_gradients(y, grad, g, b, w, [(0, 0, 1)])
-    assert not _small_gemm.few_row_gradients(y, grad, g, b, w, [(0, 0, 2), (1, 1, 8)])
-    assert not _small_gemm.few_row_gradients(y[:, :63], grad[:, :15, :63], g[:, :15], b[:, :63], w[:, :15, :63], [(0, 0, 2)])
-    assert not _small_gemm.few_row_gradients(y.float(), grad.float(), g.float(), b.float(), w.float(), [(0, 0, 2)])
-    assert bool((y == 7).all()) and bool((grad == 7).all())
-    with pytest.raises(ValueError, match="few_row_gradients: .* do not fit"):
-        _small_gemm.few_row_gradients(y, grad, g[:, :14], b, w, [(0, 0, 2)])
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert all(torch.equal(a.view(bits), b.view(bits)) for a, b in zip(fused, apart))
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 70), (300, 200), (64, 1000), (40, 1024), (512, 3584)])
