@@ -1680,8 +1680,9 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
 // 0.76-0.80x, 6 rows 0.72-0.84x of the time (2 rows: 35 GB/s read and written together, where
 // the input gradient alone read ~26 and the weight gradient alone wrote ~21-26).
 template <int ROWS, bool FIRST, bool LAST, bool STREAM>
-void few_gradients_tile(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t o0,
-                        int64_t depth, int64_t q, int64_t cols, float* sums, const bf16_t* after, int64_t after_pairs) {
+void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
+                        int64_t ldc, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums, const bf16_t* after,
+                        int64_t after_pairs) {
   constexpr int kPairs = (ROWS + 1) / 2;
   alignas(64) float b_part[ROWS * 64];  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words)
   {
@@ -1719,6 +1720,7 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf
   const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
   const int lines = cols > 32 ? 2 : 1;
   const bf16_t* g = p.a + o0;
+  const bf16_t* a_o = a + o0;  // (the weight gradient's a: g, or other rows)
   const int64_t pairs = depth / 2, ld2 = 2 * p.ldb;
   const bf16_t* even = p.b + o0 * p.ldb + q;
   bf16_t* c_row = c + o0 * ldc + q;
@@ -1742,19 +1744,19 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf
     }
     // c's rows o0 + 2pr and o0 + 2pr + 1 over the strip
     for (int t = 0; t < 2; ++t, c_row += ldc) {
-      const int64_t o = 2 * pr + t;  // (within the chunk: g's column o0 + o)
+      const int64_t o = 2 * pr + t;  // (within the chunk: a's column o0 + o)
       __m512 v[4];
       if constexpr (ROWS < 4) {
         for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
         for (int r = 0; r < ROWS; ++r) {
-          const __m512 a_r = _mm512_set1_ps(widen(g[r * p.lda + o]));
+          const __m512 a_r = _mm512_set1_ps(widen(a_o[r * lda + o]));
           for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
         }
       } else {
         for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
         for (int pp = 0; pp < kPairs; ++pp) {
-          uint32_t pair = g[2 * pp * p.lda + o];
-          if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(g[(2 * pp + 1) * p.lda + o]) << 16;
+          uint32_t pair = a_o[2 * pp * lda + o];
+          if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(a_o[(2 * pp + 1) * lda + o]) << 16;
           const __m512bh a_pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
           for (int j = 0; j < 4; ++j)
             v[j] = _mm512_dpbf16_ps(v[j], a_pp, (__m512bh)_mm512_load_si512(reinterpret_cast<const uint32_t*>(b_part) + pp * 64 + 16 * j));
@@ -1794,8 +1796,8 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf
 }
 
 template <int ROWS, bool STREAM>
-bool few_gradients_rows(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t first,
-                        int64_t last, const bf16_t* next_w) {
+bool few_gradients_rows(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
+                        int64_t ldc, int64_t first, int64_t last, const bf16_t* next_w) {
   const int64_t strips = (last - first + 63) / 64;
   auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * ROWS * 64 * strips));
   if (sums == nullptr) return false;
@@ -1818,13 +1820,13 @@ bool few_gradients_rows(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf
       }
       float* strip_sums = sums + i * ROWS * 64;
       if (first_chunk && last_chunk)
-        few_gradients_tile<ROWS, true, true, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+        few_gradients_tile<ROWS, true, true, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
       else if (first_chunk)
-        few_gradients_tile<ROWS, true, false, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+        few_gradients_tile<ROWS, true, false, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
       else if (last_chunk)
-        few_gradients_tile<ROWS, false, true, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+        few_gradients_tile<ROWS, false, true, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
       else
-        few_gradients_tile<ROWS, false, false, STREAM>(p, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
+        few_gradients_tile<ROWS, false, false, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
     }
   }
   if (STREAM) _mm_sfence();
@@ -1832,14 +1834,14 @@ bool few_gradients_rows(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf
 }
 
 template <bool STREAM>
-bool few_gradients(const InputGradBf16& p, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t first,
-                   int64_t last, const bf16_t* next_w) {
+bool few_gradients(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
+                   int64_t ldc, int64_t first, int64_t last, const bf16_t* next_w) {
   switch (p.m) {
-    case 6: return few_gradients_rows<6, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
-    case 5: return few_gradients_rows<5, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
-    case 4: return few_gradients_rows<4, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
-    case 3: return few_gradients_rows<3, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
-    case 2: return few_gradients_rows<2, STREAM>(p, b, ldb, c, ldc, first, last, next_w);
+    case 6: return few_gradients_rows<6, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 5: return few_gradients_rows<5, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 4: return few_gradients_rows<4, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 3: return few_gradients_rows<3, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 2: return few_gradients_rows<2, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
     default: return false;
   }
 }
@@ -2148,14 +2150,15 @@ extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg,
 
 // Input and weight gradients of blocks of 2 to 6 rows through the same weight in one pass
 // (few_gradients): for each block (e, start, stop), y[start:stop] = g[start:stop]·w_e and c_e =
-// g[start:stop]ᵀ·b[start:stop], all bf16: g [rows, O] (O even), b [rows, I], w_e [O, I] (at w +
+// a[start:stop]ᵀ·b[start:stop], all bf16: g, a [rows, O] (O even; may be the same rows), b [rows, I], w_e [O, I] (at w +
 // e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c + e·c_expert, rows ldc apart,
 // written over; with `stream` its whole lines past the caches: c and ldc multiples of 64
 // bytes). The same bits as moe_ffn_avx512_input_grad_blocks_bf16_packed and the bf16 weight
 // gradient's entry points (widening below 4 rows, packed pairs from 4) on these blocks. The
 // threads split the columns I (64 at a time). -1 where the CPU lacks AVX512_BF16, O is odd or a
 // block is not of 2 to 6 rows (nothing written).
-extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* b, int64_t ldb,
+extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* a, int64_t lda,
+                                                     const bf16_t* b, int64_t ldb,
                                                      const bf16_t* w, int64_t experts, int64_t w_expert, int64_t ldw,
                                                      bf16_t* y, int64_t ldy, bf16_t* c, int64_t c_expert, int64_t ldc,
                                                      const int64_t* blocks, int64_t count, int64_t out_features,
@@ -2172,8 +2175,11 @@ extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ld
                        const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
                                              stop - start, out_features, in_features};
                        const bf16_t* next_w = next < 0 ? nullptr : w + next * w_expert;
-                       return stream ? few_gradients<true>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w)
-                                     : few_gradients<false>(p, b + start * ldb, ldb, c + e * c_expert, ldc, first, last, next_w);
+                       const bf16_t* a_rows = a + start * lda;
+                       return stream ? few_gradients<true>(p, a_rows, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
+                                                           first, last, next_w)
+                                     : few_gradients<false>(p, a_rows, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
+                                                            first, last, next_w);
                      });
 }
 

@@ -1468,8 +1468,8 @@ def _few_row_gradients_entry_point(dtype: torch.dtype):
         if points is None:
             return None
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        points[0].argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64,
-                              c_int, c_int, ptr, ptr, ptr]
+        points[0].argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64,
+                              i64, c_int, c_int, ptr, ptr, ptr]
         return points[0]
     points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_few_row_gradients_f32")
     if points is None:
@@ -1478,23 +1478,42 @@ def _few_row_gradients_entry_point(dtype: torch.dtype):
     return points[0]
 
 
+def one_pass_here(w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether one_row_gradients or few_row_gradients would take some of these blocks through
+    w_EOI here (a cheap look, before the caller makes their operands; the calls still check)."""
+    dtype = w_EOI.dtype
+    least, most = FEW_ROW_GRADIENTS_ROWS.get(dtype, (1, 0))
+    if not any(stop - start == 1 or least <= stop - start <= most for _, start, stop in blocks):
+        return False
+    if dtype == torch.bfloat16:
+        return _few_row_gradients_entry_point(dtype) is not None and w_EOI.shape[1] % 2 == 0
+    return (
+        dtype == torch.float32 and _few_row_gradients_entry_point(dtype) is not None
+        and _float32_blocks_entry_points() is not None and _float32_blocks_here(blocks, w_EOI.shape[1] * w_EOI.shape[2])
+        and w_EOI.shape[2] >= 64 * torch.get_num_threads()
+    )
+
+
 def few_row_gradients(
-    y: Tensor, grad_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
+    y: Tensor, grad_EOI: Tensor, g: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]],
+    a: Optional[Tensor] = None,
 ) -> bool:
     """For every block (e, start, stop) of FEW_ROW_GRADIENTS_ROWS rows: y[start:stop] =
-    g[start:stop]·w_EOI[e] and grad_EOI[e] = g[start:stop]ᵀ·b[start:stop] (written over), in one pass over each weight
+    g[start:stop]·w_EOI[e] and grad_EOI[e] = a[start:stop]ᵀ·b[start:stop] (a: g where not
+    given; written over), in one pass over each weight
     (the kernel's few_gradients: w's rows read once, the gradient's same rows written right
     after). All bf16 with an even O (AVX512-BF16 CPUs without AMX): the same bits as
     `bf16_input_grad_blocks` and `bf16_weight_grad_blocks` on these blocks; all float32 (where
     `float32_input_grad_blocks` and `float32_weight_grad_blocks` take them, on CPUs with
-    AVX512-BF16): as those two. g [rows, O], b and y [rows, I]. Returns whether it ran (when
-    False, nothing is written)."""
+    AVX512-BF16): as those two. g and a [rows, O], b and y [rows, I]. Returns whether it ran
+    (when False, nothing is written)."""
+    a = g if a is None else a
     dtype = w_EOI.dtype
     least, most = FEW_ROW_GRADIENTS_ROWS.get(dtype, (1, 0))
     if not (
         w_EOI.dim() == 3 and w_EOI.stride(2) == 1 and grad_EOI.dim() == 3 and grad_EOI.stride(2) == 1 and blocks
         and all(least <= stop - start <= most for _, start, stop in blocks)
-        and all(t.dtype == dtype for t in (y, grad_EOI, g, b))
+        and all(t.dtype == dtype for t in (y, grad_EOI, g, a, b))
     ):
         return False
     E, O, I = w_EOI.shape
@@ -1504,23 +1523,20 @@ def few_row_gradients(
         here = _float32_blocks_here(blocks, O * I) and I >= 64 * torch.get_num_threads()
         fn = _few_row_gradients_entry_point(dtype) if here and _float32_blocks_entry_points() is not None else None
     kernel = _kernel_for((g, b), None) if fn is not None else None
-    if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g)):
+    if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g) and _rows_contiguous(a)):
         return False
     rows = g.shape[0]
-    if not (g.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
+    if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
         raise ValueError(f"few_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
-                         f"b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
     _check_blocks("few_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
     stream = _streamed_gradients(grad_EOI)
     table, address, count = _block_table(blocks)
     gradient = (grad_EOI.data_ptr(), grad_EOI.stride(0), grad_EOI.stride(1), address, count, O, I, int(stream))
     team = (torch.get_num_threads(), *kernel[1])
     weight = (w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1))
-    if dtype == torch.bfloat16:
-        status = fn(g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), *weight, y.data_ptr(), y.stride(0), *gradient, *team)
-    else:
-        status = fn(g.data_ptr(), g.stride(0), g.data_ptr(), g.stride(0), b.data_ptr(), b.stride(0), *weight, y.data_ptr(),
-                    y.stride(0), *gradient, *team)
+    status = fn(g.data_ptr(), g.stride(0), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *weight, y.data_ptr(),
+                y.stride(0), *gradient, *team)
     if status != 0:
         raise RuntimeError(f"few_row_gradients: the kernel failed on {len(blocks)} blocks (out of memory?)")
     return True
