@@ -304,11 +304,21 @@ void panel_tiles(const TA* a, int64_t row_step, int64_t lda, const TB* b, int64_
   a += r * row_step;
   c += r * ldc;
   switch (rows - r) {
-    case 5: tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
-    case 4: tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
-    case 3: tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
-    case 2: tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
-    case 1: tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after); break;
+    case 5:
+      tile<5, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after);
+      break;
+    case 4:
+      tile<4, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after);
+      break;
+    case 3:
+      tile<3, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after);
+      break;
+    case 2:
+      tile<2, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after);
+      break;
+    case 1:
+      tile<1, VECS, MASKED, ACCUMULATE, false, A_ROWS, AHEAD>(a, lda, b, ldb, c, ldc, depth, last, lines, after);
+      break;
     default: break;
   }
 }
@@ -332,8 +342,8 @@ void matmul_panel(const P& p, int64_t r0, int64_t r1, int64_t s0, int64_t depth,
   if (r1 - r0 <= 6 && ldb == p.ldb) {  // one row tile reading b in place: its rows kPanelAhead steps on into L2
     const std::decay_t<decltype(*p.b)>* after = nullptr;
     if constexpr (std::is_same_v<std::decay_t<decltype(*p.b)>, float>) after = next;
-    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last,
-                                                               nullptr, after);
+    panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, kPanelAhead>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth,
+                                                               last, nullptr, after);
   }
   else
     panel_tiles<A_ROWS, VECS, MASKED, ACCUMULATE, 0>(a, row_step, p.lda, b, ldb, c, p.ldc, r1 - r0, depth, last, &lines);
@@ -1359,6 +1369,26 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 // against prefetches into L1 (T = 256 1.00 / 0.92×, T = 1 level: its 1-row blocks take the widening
 // kernel); the L1 prefetches' misses held the fill buffers the packing's own loads need. Not
 // re-measured on Zen 5.
+// 32 float32 values (lo, then hi) rounded to bf16 as to_bf16 rounds them, stored at `at`. The
+// instruction (vcvtne2ps2bf16, one for 32 values where to_bf16 takes seven steps for 16) rounds
+// to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
+// (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
+// is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
+// itself, so in the packed weight gradient the fallback is NaN's. Per product, 8 or 64 weights
+// of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
+// 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
+template <bool STREAM>
+inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
+  constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // quiet NaN, signalling NaN, subnormal
+  __m512i bits;
+  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
+    bits = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+  else
+    bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
+  else _mm512_storeu_si512(at, bits);
+}
+
 // Blocks of at most kDirectRows rows read w where it lies instead: the products of so few rows
 // of g take less time than packing w's pairs did. A tile of all the block's rows by 64 columns
 // walks down a chunk of kGradDepth rows of w, forming each pair of rows' pairs in registers
@@ -1377,9 +1407,61 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 constexpr int64_t kDirectRows = 6;
 constexpr int64_t kDirectAhead = 32;
 
-template <int ROWS, bool FIRST, bool LAST>
-void direct_tile(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
-                 const bf16_t* after, int64_t after_pairs) {
+// Where a strip's prefetches run on to past its last row, for kernels that walk w [k, ...] in
+// strips of 64 columns within chunks of `chunk` rows: the next strip's rows of this chunk, the
+// next chunk's first strip, or the next block's weight (next_w; nothing after the last block),
+// and how many rows of it.
+template <typename T>
+struct RunOn {
+  const T* at;
+  int64_t rows;
+};
+template <typename T>
+inline RunOn<T> run_on(const T* w, int64_t ldw, int64_t k, int64_t o0, int64_t depth, int64_t chunk, int64_t q,
+                       int64_t first, bool last_strip, const T* next_w) {
+  if (!last_strip) return {w + o0 * ldw + q + 64, depth};
+  if (o0 + depth < k) return {w + (o0 + depth) * ldw + first, std::min(chunk, k - o0 - depth)};
+  if (next_w != nullptr) return {next_w + first, std::min(chunk, k)};
+  return {nullptr, 0};
+}
+
+// few_gradients_tile without the weight gradient (WG false) is the direct tile; with it, see
+// "input and weight gradients of blocks of 2-6 rows" below.
+template <int ROWS, bool FIRST, bool LAST, bool STREAM, bool WG>
+void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
+                        int64_t ldc, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
+                        const bf16_t* after, int64_t after_pairs) {
+  constexpr int kPairs = (ROWS + 1) / 2;
+  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words)
+  alignas(64) float b_part[WG ? ROWS * 64 : 1];
+  if constexpr (WG) {
+    const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
+    const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
+    const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
+    if constexpr (ROWS < 4) {
+      for (int s = 0; s < ROWS; ++s)
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_maskz_loadu_epi16(h ? m1 : m0, b + s * ldb + q + 32 * h);
+          _mm512_store_ps(b_part + s * 64 + 32 * h, widen16(_mm512_castsi512_si256(v)));
+          _mm512_store_ps(b_part + s * 64 + 32 * h + 16, widen16(_mm512_extracti64x4_epi64(v, 1)));
+        }
+    } else {
+      const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      auto* pairs_out = reinterpret_cast<uint32_t*>(b_part);
+      for (int pp = 0; pp < kPairs; ++pp)
+        for (int h = 0; h < 2; ++h) {
+          const __mmask32 lanes = h ? m1 : m0;
+          const __m512i lo_row = _mm512_maskz_loadu_epi16(lanes, b + 2 * pp * ldb + q + 32 * h);
+          const __m512i hi_row = 2 * pp + 1 < ROWS
+                                     ? _mm512_maskz_loadu_epi16(lanes, b + (2 * pp + 1) * ldb + q + 32 * h)
+                                     : _mm512_setzero_si512();
+          const __m512i lo = _mm512_unpacklo_epi16(lo_row, hi_row), hi = _mm512_unpackhi_epi16(lo_row, hi_row);
+          _mm512_store_si512(pairs_out + pp * 64 + 32 * h, _mm512_permutex2var_epi32(lo, lower, hi));
+          _mm512_store_si512(pairs_out + pp * 64 + 32 * h + 16, _mm512_permutex2var_epi32(lo, upper, hi));
+        }
+    }
+  }
   __m512 acc[ROWS][4];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
@@ -1388,11 +1470,15 @@ void direct_tile(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, i
   const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
   const int lines = cols > 32 ? 2 : 1;
   const bf16_t* g = p.a + o0;
+  const bf16_t* a_o = WG ? a + o0 : nullptr;  // (the weight gradient's a: g, or other rows)
   const int64_t pairs = depth / 2, ld2 = 2 * p.ldb;
   const bf16_t* even = p.b + o0 * p.ldb + q;
+  bf16_t* c_row = WG ? c + o0 * ldc + q : nullptr;
   for (int64_t pr = 0; pr < pairs; ++pr, even += ld2) {
     const int64_t s = pr + kDirectAhead;
-    const bf16_t* ahead = s < pairs ? even + kDirectAhead * ld2 : (s - pairs < after_pairs ? after + (s - pairs) * ld2 : nullptr);
+    const bf16_t* ahead = s < pairs                ? even + kDirectAhead * ld2
+                          : s - pairs < after_pairs ? after + (s - pairs) * ld2
+                                                    : nullptr;
     if (ahead != nullptr)
       for (int l = 0; l < lines; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * l), _MM_HINT_T1);
@@ -1407,6 +1493,38 @@ void direct_tile(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, i
       __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
       const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+    }
+    // c's rows o0 + 2pr and o0 + 2pr + 1 over the strip
+    if constexpr (WG) for (int t = 0; t < 2; ++t, c_row += ldc) {
+      const int64_t o = 2 * pr + t;  // (within the chunk: a's column o0 + o)
+      __m512 v[4];
+      if constexpr (ROWS < 4) {
+        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 a_r = _mm512_set1_ps(widen(a_o[r * lda + o]));
+          for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        for (int pp = 0; pp < kPairs; ++pp) {
+          uint32_t pair = a_o[2 * pp * lda + o];
+          if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(a_o[(2 * pp + 1) * lda + o]) << 16;
+          const __m512bh a_pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          const auto* b_pairs = reinterpret_cast<const uint32_t*>(b_part) + pp * 64;
+          for (int j = 0; j < 4; ++j)
+            v[j] = _mm512_dpbf16_ps(v[j], a_pp, (__m512bh)_mm512_load_si512(b_pairs + 16 * j));
+        }
+      }
+      if (cols == 64) {
+        store32<STREAM>(c_row, v[0], v[1]);
+        store32<STREAM>(c_row + 32, v[2], v[3]);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+          if (n == 16) store16<false>(c_row + 16 * j, v[j]);
+          else if (n > 0) store16(c_row + 16 * j, v[j], static_cast<__mmask16>((1u << n) - 1));
+        }
+      }
     }
   }
   if (!LAST) {
@@ -1430,55 +1548,53 @@ void direct_tile(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, i
   }
 }
 
-template <bool FIRST, bool LAST>
-void direct_strip(const InputGradBf16& p, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
-                  const bf16_t* after, int64_t after_pairs) {
-  static_assert(kDirectRows == 6, "one register tile of all the block's rows");
-  switch (p.m) {
-    case 6: direct_tile<6, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    case 5: direct_tile<5, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    case 4: direct_tile<4, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    case 3: direct_tile<3, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    case 2: direct_tile<2, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    case 1: direct_tile<1, FIRST, LAST>(p, o0, depth, q, cols, sums, after, after_pairs); break;
-    default: break;
+template <int ROWS, bool STREAM, bool WG>
+bool few_gradients_rows(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
+                        int64_t ldc, int64_t first, int64_t last, const bf16_t* next_w) {
+  const int64_t strips = (last - first + 63) / 64;
+  auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * ROWS * 64 * strips));
+  if (sums == nullptr) return false;
+  for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
+    const int64_t depth = std::min(kGradDepth, p.k - o0);
+    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
+    for (int64_t i = 0; i < strips; ++i) {
+      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
+      const RunOn<bf16_t> on = run_on(p.b, p.ldb, p.k, o0, depth, kGradDepth, q, first, i + 1 == strips, next_w);
+      const bf16_t* after = on.at;
+      const int64_t after_pairs = on.rows / 2;
+      float* strip_sums = sums + i * ROWS * 64;
+      if (first_chunk && last_chunk)
+        few_gradients_tile<ROWS, true, true, STREAM, WG>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after,
+                                                 after_pairs);
+      else if (first_chunk)
+        few_gradients_tile<ROWS, true, false, STREAM, WG>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after,
+                                                 after_pairs);
+      else if (last_chunk)
+        few_gradients_tile<ROWS, false, true, STREAM, WG>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after,
+                                                 after_pairs);
+      else
+        few_gradients_tile<ROWS, false, false, STREAM, WG>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after,
+                                                 after_pairs);
+    }
   }
+  if (STREAM && WG) _mm_sfence();
+  return true;
 }
+
 
 // y's columns [first, last) of a block of at most kDirectRows rows; false where the scratch
 // could not be had.
 bool direct_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_t* next_w) {
-  const int64_t strips = (last - first + 63) / 64;
-  auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * p.m * 64 * strips));
-  if (sums == nullptr) return false;
-  const int64_t chunk = kGradDepth;
-  for (int64_t o0 = 0; o0 < p.k; o0 += chunk) {
-    const int64_t depth = std::min(chunk, p.k - o0);
-    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
-    for (int64_t i = 0; i < strips; ++i) {
-      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
-      // where the prefetches run on to: the next strip's rows of this chunk, the next chunk's
-      // first strip, or the next block's
-      const bf16_t* after = nullptr;
-      int64_t after_pairs = 0;
-      if (i + 1 < strips) {
-        after = p.b + o0 * p.ldb + q + 64;
-        after_pairs = depth / 2;
-      } else if (!last_chunk) {
-        after = p.b + (o0 + depth) * p.ldb + first;
-        after_pairs = std::min(chunk, p.k - o0 - depth) / 2;
-      } else if (next_w != nullptr) {
-        after = next_w + first;
-        after_pairs = std::min(chunk, p.k) / 2;
-      }
-      float* strip_sums = sums + i * p.m * 64;
-      if (first_chunk && last_chunk) direct_strip<true, true>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else if (first_chunk) direct_strip<true, false>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else if (last_chunk) direct_strip<false, true>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else direct_strip<false, false>(p, o0, depth, q, cols, strip_sums, after, after_pairs);
-    }
+  static_assert(kDirectRows == 6, "one register tile of all the block's rows");
+  switch (p.m) {
+    case 6: return few_gradients_rows<6, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    case 5: return few_gradients_rows<5, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    case 4: return few_gradients_rows<4, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    case 3: return few_gradients_rows<3, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    case 2: return few_gradients_rows<2, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    case 1: return few_gradients_rows<1, false, false>(p, nullptr, 0, nullptr, 0, nullptr, 0, first, last, next_w);
+    default: return false;
   }
-  return true;
 }
 
 // y's columns [first, last); false where the scratch could not be had.
@@ -1514,26 +1630,6 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_
     }
   }
   return true;
-}
-
-// 32 float32 values (lo, then hi) rounded to bf16 as to_bf16 rounds them, stored at `at`. The
-// instruction (vcvtne2ps2bf16, one for 32 values where to_bf16 takes seven steps for 16) rounds
-// to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
-// (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
-// is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
-// itself, so in the packed weight gradient the fallback is NaN's. Per product, 8 or 64 weights
-// of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
-// 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
-template <bool STREAM>
-inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
-  constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // quiet NaN, signalling NaN, subnormal
-  __m512i bits;
-  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
-    bits = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
-  else
-    bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
-  else _mm512_storeu_si512(at, bits);
 }
 
 // ---- bf16 weight gradients of a few rows (below BF16_WEIGHT_GRAD_PACKED_FROM_ROWS) -----------
@@ -1666,182 +1762,29 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
 
 // ---- input and weight gradients of blocks of 2-6 rows in one pass (bf16) ---------------------
 //
-// For a block of m = 2..6 rows through w [O, I]: y = g·w (the input gradient, as direct_tile
-// forms it) and c = gᵀ·b (the weight gradient, as few_tile forms it below 4 rows and
-// wgrad_tile from 4) over y's columns [first, last), walking down w's rows in strips of 64
-// columns as direct_tile does: each pair of w's rows read once, and c's same two rows of the
-// same columns written right after, so that the weight's reads and the gradient's (streamed)
-// writes share the memory's time instead of taking it in turn (one_row_gradients does this for
-// blocks of one row). The same operations on each value as those kernels, in the same order:
-// the same bits. b's rows of the strip are widened (m < 4) or paired in column order (m ≥ 4)
-// once per strip and chunk, into `b_part` (L1). On the Zen 4 EPYC (2026-12-06), one call for
-// all blocks against the two calls, the weights and gradients out of the caches (the four
-// benchmark shapes' w1 and w2, 7 rounds, alternated, same bits): 2 rows 0.54-0.63x, 4 rows
-// 0.76-0.80x, 6 rows 0.72-0.84x of the time (2 rows: 35 GB/s read and written together, where
-// the input gradient alone read ~26 and the weight gradient alone wrote ~21-26).
-template <int ROWS, bool FIRST, bool LAST, bool STREAM>
-void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
-                        int64_t ldc, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums, const bf16_t* after,
-                        int64_t after_pairs) {
-  constexpr int kPairs = (ROWS + 1) / 2;
-  alignas(64) float b_part[ROWS * 64];  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words)
-  {
-    const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
-    const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
-    const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
-    if constexpr (ROWS < 4) {
-      for (int s = 0; s < ROWS; ++s)
-        for (int h = 0; h < 2; ++h) {
-          const __m512i v = _mm512_maskz_loadu_epi16(h ? m1 : m0, b + s * ldb + q + 32 * h);
-          _mm512_store_ps(b_part + s * 64 + 32 * h, widen16(_mm512_castsi512_si256(v)));
-          _mm512_store_ps(b_part + s * 64 + 32 * h + 16, widen16(_mm512_extracti64x4_epi64(v, 1)));
-        }
-    } else {
-      const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-      const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-      auto* pairs_out = reinterpret_cast<uint32_t*>(b_part);
-      for (int pp = 0; pp < kPairs; ++pp)
-        for (int h = 0; h < 2; ++h) {
-          const __mmask32 lanes = h ? m1 : m0;
-          const __m512i lo_row = _mm512_maskz_loadu_epi16(lanes, b + 2 * pp * ldb + q + 32 * h);
-          const __m512i hi_row = 2 * pp + 1 < ROWS ? _mm512_maskz_loadu_epi16(lanes, b + (2 * pp + 1) * ldb + q + 32 * h)
-                                                   : _mm512_setzero_si512();
-          const __m512i lo = _mm512_unpacklo_epi16(lo_row, hi_row), hi = _mm512_unpackhi_epi16(lo_row, hi_row);
-          _mm512_store_si512(pairs_out + pp * 64 + 32 * h, _mm512_permutex2var_epi32(lo, lower, hi));
-          _mm512_store_si512(pairs_out + pp * 64 + 32 * h + 16, _mm512_permutex2var_epi32(lo, upper, hi));
-        }
-    }
-  }
-  __m512 acc[ROWS][4];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
-  const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
-  const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
-  const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
-  const int lines = cols > 32 ? 2 : 1;
-  const bf16_t* g = p.a + o0;
-  const bf16_t* a_o = a + o0;  // (the weight gradient's a: g, or other rows)
-  const int64_t pairs = depth / 2, ld2 = 2 * p.ldb;
-  const bf16_t* even = p.b + o0 * p.ldb + q;
-  bf16_t* c_row = c + o0 * ldc + q;
-  for (int64_t pr = 0; pr < pairs; ++pr, even += ld2) {
-    const int64_t s = pr + kDirectAhead;
-    const bf16_t* ahead = s < pairs ? even + kDirectAhead * ld2 : (s - pairs < after_pairs ? after + (s - pairs) * ld2 : nullptr);
-    if (ahead != nullptr)
-      for (int l = 0; l < lines; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * l), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + p.ldb + 32 * l), _MM_HINT_T1);
-      }
-    const __m512i a0 = _mm512_maskz_loadu_epi16(m0, even), b0 = _mm512_maskz_loadu_epi16(m0, even + p.ldb);
-    const __m512i a1 = _mm512_maskz_loadu_epi16(m1, even + 32), b1 = _mm512_maskz_loadu_epi16(m1, even + p.ldb + 32);
-    const __m512bh w_p[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
-                             (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
-    for (int i = 0; i < ROWS; ++i) {
-      uint32_t pair;
-      __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
-      const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
-    }
-    // c's rows o0 + 2pr and o0 + 2pr + 1 over the strip
-    for (int t = 0; t < 2; ++t, c_row += ldc) {
-      const int64_t o = 2 * pr + t;  // (within the chunk: a's column o0 + o)
-      __m512 v[4];
-      if constexpr (ROWS < 4) {
-        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512 a_r = _mm512_set1_ps(widen(a_o[r * lda + o]));
-          for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
-        }
-      } else {
-        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
-        for (int pp = 0; pp < kPairs; ++pp) {
-          uint32_t pair = a_o[2 * pp * lda + o];
-          if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(a_o[(2 * pp + 1) * lda + o]) << 16;
-          const __m512bh a_pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int j = 0; j < 4; ++j)
-            v[j] = _mm512_dpbf16_ps(v[j], a_pp, (__m512bh)_mm512_load_si512(reinterpret_cast<const uint32_t*>(b_part) + pp * 64 + 16 * j));
-        }
-      }
-      if (cols == 64) {
-        store32<STREAM>(c_row, v[0], v[1]);
-        store32<STREAM>(c_row + 32, v[2], v[3]);
-      } else {
-        for (int j = 0; j < 4; ++j) {
-          const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
-          if (n == 16) store16<false>(c_row + 16 * j, v[j]);
-          else if (n > 0) store16(c_row + 16 * j, v[j], static_cast<__mmask16>((1u << n) - 1));
-        }
-      }
-    }
-  }
-  if (!LAST) {
-    for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + i * 64 + 16 * j, acc[i][j]);
-    return;
-  }
-  const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < ROWS; ++i) {
-    bf16_t* y = p.c + i * p.ldc + q;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 ordered[2] = {_mm512_permutex2var_ps(acc[i][2 * h], lower, acc[i][2 * h + 1]),
-                                 _mm512_permutex2var_ps(acc[i][2 * h], upper, acc[i][2 * h + 1])};
-      for (int j = 0; j < 2; ++j) {
-        const int64_t c0 = 32 * h + 16 * j, n = std::max<int64_t>(0, std::min<int64_t>(16, cols - c0));
-        if (n == 16) store16<false>(y + c0, ordered[j]);
-        else if (n > 0) store16(y + c0, ordered[j], static_cast<__mmask16>((1u << n) - 1));
-      }
-    }
-  }
-}
-
-template <int ROWS, bool STREAM>
-bool few_gradients_rows(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
-                        int64_t ldc, int64_t first, int64_t last, const bf16_t* next_w) {
-  const int64_t strips = (last - first + 63) / 64;
-  auto* sums = static_cast<float*>(moe_ffn_team::thread_scratch(sizeof(float) * ROWS * 64 * strips));
-  if (sums == nullptr) return false;
-  for (int64_t o0 = 0; o0 < p.k; o0 += kGradDepth) {
-    const int64_t depth = std::min(kGradDepth, p.k - o0);
-    const bool first_chunk = o0 == 0, last_chunk = o0 + depth == p.k;
-    for (int64_t i = 0; i < strips; ++i) {
-      const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
-      const bf16_t* after = nullptr;  // (as direct_range)
-      int64_t after_pairs = 0;
-      if (i + 1 < strips) {
-        after = p.b + o0 * p.ldb + q + 64;
-        after_pairs = depth / 2;
-      } else if (!last_chunk) {
-        after = p.b + (o0 + depth) * p.ldb + first;
-        after_pairs = std::min(kGradDepth, p.k - o0 - depth) / 2;
-      } else if (next_w != nullptr) {
-        after = next_w + first;
-        after_pairs = std::min(kGradDepth, p.k) / 2;
-      }
-      float* strip_sums = sums + i * ROWS * 64;
-      if (first_chunk && last_chunk)
-        few_gradients_tile<ROWS, true, true, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else if (first_chunk)
-        few_gradients_tile<ROWS, true, false, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else if (last_chunk)
-        few_gradients_tile<ROWS, false, true, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
-      else
-        few_gradients_tile<ROWS, false, false, STREAM>(p, a, lda, b, ldb, c, ldc, o0, depth, q, cols, strip_sums, after, after_pairs);
-    }
-  }
-  if (STREAM) _mm_sfence();
-  return true;
-}
-
+// For a block of m = 2..6 rows through w [O, I]: y = g·w (the input gradient, as the direct
+// tiles form it) and c = aᵀ·b (the weight gradient, as few_tile forms it below 4 rows and
+// wgrad_tile from 4; a: g, or other rows) over y's columns [first, last), walking down w's rows
+// in strips of 64 columns as the direct tiles do (few_gradients_tile with WG, above): each pair
+// of w's rows read once, and c's same two rows of the same columns written right after, so that
+// the weight's reads and the gradient's (streamed) writes share the memory's time instead of
+// taking it in turn (one_row_gradients does this for blocks of one row). The same operations on
+// each value as those kernels, in the same order: the same bits. b's rows of the strip are
+// widened (m < 4) or paired in column order (m ≥ 4) once per strip and chunk, into `b_part`
+// (L1). On the Zen 4 EPYC (2026-12-06), one call for all blocks against the two calls, the
+// weights and gradients out of the caches (the four benchmark shapes' w1 and w2, 7 rounds,
+// alternated, same bits): 2 rows 0.54-0.63x, 4 rows 0.76-0.80x, 6 rows 0.72-0.84x of the time
+// (2 rows: 35 GB/s read and written together, where the input gradient alone read ~26 and the
+// weight gradient alone wrote ~21-26).
 template <bool STREAM>
 bool few_gradients(const InputGradBf16& p, const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c,
                    int64_t ldc, int64_t first, int64_t last, const bf16_t* next_w) {
   switch (p.m) {
-    case 6: return few_gradients_rows<6, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
-    case 5: return few_gradients_rows<5, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
-    case 4: return few_gradients_rows<4, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
-    case 3: return few_gradients_rows<3, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
-    case 2: return few_gradients_rows<2, STREAM>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 6: return few_gradients_rows<6, STREAM, true>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 5: return few_gradients_rows<5, STREAM, true>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 4: return few_gradients_rows<4, STREAM, true>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 3: return few_gradients_rows<3, STREAM, true>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
+    case 2: return few_gradients_rows<2, STREAM, true>(p, a, lda, b, ldb, c, ldc, first, last, next_w);
     default: return false;
   }
 }
@@ -1858,11 +1801,13 @@ void few_gradients_f32_tile(const Matmul& ig, const float* a, int64_t lda, const
                             int64_t ldc, int64_t s0, int64_t depth, int64_t q, int64_t cols, const float* after,
                             int64_t after_rows) {
   const int vecs = static_cast<int>((cols + 15) / 16);
-  const __mmask16 last = static_cast<__mmask16>(cols - 16 * (vecs - 1) == 16 ? 0xFFFF : (1u << (cols - 16 * (vecs - 1))) - 1);
+  const int64_t tail = cols - 16 * (vecs - 1);  // (1 to 16 columns in the last vector)
+  const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
   auto lanes = [&](int j) -> __mmask16 { return j + 1 < vecs ? 0xFFFF : (j + 1 == vecs ? last : 0); };
   alignas(64) float b_part[ROWS * 64];
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(b_part + r * 64 + 16 * j, _mm512_maskz_loadu_ps(lanes(j), b + r * ldb + q + 16 * j));
+    for (int j = 0; j < 4; ++j)
+      _mm512_store_ps(b_part + r * 64 + 16 * j, _mm512_maskz_loadu_ps(lanes(j), b + r * ldb + q + 16 * j));
   __m512 acc[ROWS][4];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -1870,7 +1815,9 @@ void few_gradients_f32_tile(const Matmul& ig, const float* a, int64_t lda, const
   float* c_row = c + s0 * ldc + q;
   for (int64_t s = 0; s < depth; ++s, w += ig.ldb, c_row += ldc) {
     const int64_t t = s + kPanelAhead;
-    const float* ahead = t < depth ? w + kPanelAhead * ig.ldb : (t - depth < after_rows ? after + (t - depth) * ig.ldb : nullptr);
+    const float* ahead = t < depth                ? w + kPanelAhead * ig.ldb
+                         : t - depth < after_rows ? after + (t - depth) * ig.ldb
+                                                  : nullptr;
     if (ahead != nullptr)
       for (int l = 0; l < vecs; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * l), _MM_HINT_T1);
     __m512 w_s[4];
@@ -1908,19 +1855,8 @@ void few_gradients_f32_rows(const Matmul& ig, const float* a, int64_t lda, const
     const int64_t depth = std::min(kMatmulDepth, ig.k - s0);
     for (int64_t i = 0; i < strips; ++i) {
       const int64_t q = first + 64 * i, cols = std::min<int64_t>(64, last - q);
-      const float* after = nullptr;  // (as direct_range)
-      int64_t after_rows = 0;
-      if (i + 1 < strips) {
-        after = ig.b + s0 * ig.ldb + q + 64;
-        after_rows = depth;
-      } else if (s0 + depth < ig.k) {
-        after = ig.b + (s0 + depth) * ig.ldb + first;
-        after_rows = std::min(kMatmulDepth, ig.k - s0 - depth);
-      } else if (next_w != nullptr) {
-        after = next_w + first;
-        after_rows = std::min(kMatmulDepth, ig.k);
-      }
-      few_gradients_f32_tile<ROWS, STREAM>(ig, a, lda, b, ldb, c, ldc, s0, depth, q, cols, after, after_rows);
+      const RunOn<float> on = run_on(ig.b, ig.ldb, ig.k, s0, depth, kMatmulDepth, q, first, i + 1 == strips, next_w);
+      few_gradients_f32_tile<ROWS, STREAM>(ig, a, lda, b, ldb, c, ldc, s0, depth, q, cols, on.at, on.rows);
     }
   }
   if (STREAM) _mm_sfence();
@@ -2150,13 +2086,13 @@ extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg,
 
 // Input and weight gradients of blocks of 2 to 6 rows through the same weight in one pass
 // (few_gradients): for each block (e, start, stop), y[start:stop] = g[start:stop]·w_e and c_e =
-// a[start:stop]ᵀ·b[start:stop], all bf16: g, a [rows, O] (O even; may be the same rows), b [rows, I], w_e [O, I] (at w +
-// e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c + e·c_expert, rows ldc apart,
-// written over; with `stream` its whole lines past the caches: c and ldc multiples of 64
-// bytes). The same bits as moe_ffn_avx512_input_grad_blocks_bf16_packed and the bf16 weight
-// gradient's entry points (widening below 4 rows, packed pairs from 4) on these blocks. The
-// threads split the columns I (64 at a time). -1 where the CPU lacks AVX512_BF16, O is odd or a
-// block is not of 2 to 6 rows (nothing written).
+// a[start:stop]ᵀ·b[start:stop], all bf16: g, a [rows, O] (O even; may be the same rows), b
+// [rows, I], w_e [O, I] (at w + e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c +
+// e·c_expert, rows ldc apart, written over; with `stream` its whole lines past the caches: c
+// and ldc multiples of 64 bytes). The same bits as moe_ffn_avx512_input_grad_blocks_bf16_packed
+// and the bf16 weight gradient's entry points (widening below 4 rows, packed pairs from 4) on
+// these blocks. The threads split the columns I (64 at a time). -1 where the CPU lacks
+// AVX512_BF16, O is odd or a block is not of 2 to 6 rows (nothing written).
 extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* a, int64_t lda,
                                                      const bf16_t* b, int64_t ldb,
                                                      const bf16_t* w, int64_t experts, int64_t w_expert, int64_t ldw,
