@@ -2085,7 +2085,7 @@ extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg,
 }
 
 // Input and weight gradients of blocks of 2 to 6 rows through the same weight in one pass
-// (few_gradients): for each block (e, start, stop), y[start:stop] = g[start:stop]·w_e and c_e =
+// (few_gradients; the entry points below): for each block (e, start, stop), y[start:stop] = g[start:stop]·w_e and c_e =
 // a[start:stop]ᵀ·b[start:stop], all bf16: g, a [rows, O] (O even; may be the same rows), b
 // [rows, I], w_e [O, I] (at w + e·w_expert, rows ldw apart), y [rows, I], c_e [O, I] (at c +
 // e·c_expert, rows ldc apart, written over; with `stream` its whole lines past the caches: c
@@ -2093,14 +2093,16 @@ extern "C" int moe_ffn_avx512_one_row_gradients_f32(const float* g, int64_t ldg,
 // and the bf16 weight gradient's entry points (widening below 4 rows, packed pairs from 4) on
 // these blocks. The threads split the columns I (64 at a time). -1 where the CPU lacks
 // AVX512_BF16, O is odd or a block is not of 2 to 6 rows (nothing written).
-extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* a, int64_t lda,
-                                                     const bf16_t* b, int64_t ldb,
-                                                     const bf16_t* w, int64_t experts, int64_t w_expert, int64_t ldw,
-                                                     bf16_t* y, int64_t ldy, bf16_t* c, int64_t c_expert, int64_t ldc,
-                                                     const int64_t* blocks, int64_t count, int64_t out_features,
-                                                     int64_t in_features, int stream, int threads, void* parallel,
-                                                     void* thread_num, void* num_threads) {
-  if (!bf16_ready() || out_features < 2 || out_features % 2 || in_features < 0 || threads < 1) return -1;
+template <typename T>
+int few_row_gradients_blocks(const T* g, int64_t ldg, const T* a, int64_t lda, const T* b, int64_t ldb, const T* w,
+                             int64_t experts, int64_t w_expert, int64_t ldw, T* y, int64_t ldy, T* c, int64_t c_expert,
+                             int64_t ldc, const int64_t* blocks, int64_t count, int64_t out_features,
+                             int64_t in_features, int stream, int threads, void* parallel, void* thread_num,
+                             void* num_threads) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+  const bool fits = kBf16 ? out_features >= 2 && out_features % 2 == 0 && in_features >= 0
+                          : out_features >= 1 && in_features >= 64 * threads;
+  if (!bf16_ready() || !fits || threads < 1) return -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t rows = blocks[4 * i + 2] - blocks[4 * i + 1];
     if (rows < 2 || rows > 6) return -1;
@@ -2108,15 +2110,32 @@ extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ld
   return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
                      [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t next) {
                        if (first >= last) return true;
-                       const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
-                                             stop - start, out_features, in_features};
-                       const bf16_t* next_w = next < 0 ? nullptr : w + next * w_expert;
-                       const bf16_t* a_rows = a + start * lda;
-                       return stream ? few_gradients<true>(p, a_rows, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
-                                                           first, last, next_w)
-                                     : few_gradients<false>(p, a_rows, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
-                                                            first, last, next_w);
+                       const MatmulOf<T, T, T> p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
+                                                 stop - start, out_features, in_features};
+                       const T* next_w = next < 0 ? nullptr : w + next * w_expert;
+                       const T *a_rows = a + start * lda, *b_rows = b + start * ldb;
+                       T* c_e = c + e * c_expert;
+                       if constexpr (kBf16) {
+                         if (stream) return few_gradients<true>(p, a_rows, lda, b_rows, ldb, c_e, ldc, first, last,
+                                                                next_w);
+                         return few_gradients<false>(p, a_rows, lda, b_rows, ldb, c_e, ldc, first, last, next_w);
+                       } else {
+                         if (stream) return few_gradients_f32<true>(p, a_rows, lda, b_rows, ldb, c_e, ldc, first, last,
+                                                                    next_w);
+                         return few_gradients_f32<false>(p, a_rows, lda, b_rows, ldb, c_e, ldc, first, last, next_w);
+                       }
                      });
+}
+
+extern "C" int moe_ffn_avx512_few_row_gradients_bf16(const bf16_t* g, int64_t ldg, const bf16_t* a, int64_t lda,
+                                                     const bf16_t* b, int64_t ldb, const bf16_t* w, int64_t experts,
+                                                     int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy, bf16_t* c,
+                                                     int64_t c_expert, int64_t ldc, const int64_t* blocks,
+                                                     int64_t count, int64_t out_features, int64_t in_features,
+                                                     int stream, int threads, void* parallel, void* thread_num,
+                                                     void* num_threads) {
+  return few_row_gradients_blocks(g, ldg, a, lda, b, ldb, w, experts, w_expert, ldw, y, ldy, c, c_expert, ldc, blocks,
+                                  count, out_features, in_features, stream, threads, parallel, thread_num, num_threads);
 }
 
 // The float32 blocks of 2 to 6 rows likewise (few_gradients_f32): g, a [rows, O] (may be the
@@ -2130,20 +2149,6 @@ extern "C" int moe_ffn_avx512_few_row_gradients_f32(const float* g, int64_t ldg,
                                                     int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
                                                     int64_t out_features, int64_t in_features, int stream, int threads,
                                                     void* parallel, void* thread_num, void* num_threads) {
-  if (!bf16_ready() || out_features < 1 || in_features < 64 * threads || threads < 1) return -1;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t rows = blocks[4 * i + 2] - blocks[4 * i + 1];
-    if (rows < 2 || rows > 6) return -1;
-  }
-  return over_blocks(blocks, count, experts, in_features, 64, 64, threads, parallel, thread_num, num_threads,
-                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t next) {
-                       if (first >= last) return true;
-                       const Matmul ig{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
-                                       stop - start, out_features, in_features};
-                       const float* next_w = next < 0 ? nullptr : w + next * w_expert;
-                       return stream ? few_gradients_f32<true>(ig, a + start * lda, lda, b + start * ldb, ldb,
-                                                               c + e * c_expert, ldc, first, last, next_w)
-                                     : few_gradients_f32<false>(ig, a + start * lda, lda, b + start * ldb, ldb,
-                                                                c + e * c_expert, ldc, first, last, next_w);
-                     });
+  return few_row_gradients_blocks(g, ldg, a, lda, b, ldb, w, experts, w_expert, ldw, y, ldy, c, c_expert, ldc, blocks,
+                                  count, out_features, in_features, stream, threads, parallel, thread_num, num_threads);
 }

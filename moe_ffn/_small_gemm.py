@@ -1390,6 +1390,18 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
     return True
 
 
+def _check_both_gradients(name: str, y: Tensor, grad_EOI: Tensor, g: Tensor, a: Tensor, b: Tensor, w_EOI: Tensor,
+                          blocks) -> None:
+    """A clear error where the operands of a one-pass gradients call do not fit: g, a [rows, O],
+    b, y [rows, I], the gradient as w [E, O, I], every block within the rows and experts."""
+    E, O, I = w_EOI.shape
+    rows = g.shape[0]
+    if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
+        raise ValueError(f"{name}: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
+    _check_blocks(name, blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+
+
 def one_row_gradients(
     y: Tensor, grad_EOI: Tensor, g: Tensor, a: Tensor, b: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]
 ) -> bool:
@@ -1417,11 +1429,7 @@ def one_row_gradients(
         openmp = kernel[1] if kernel is not None else None
     if fn is None or not (_writable_rows(y) and _rows_contiguous(b)):
         return False
-    rows = g.shape[0]
-    if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
-        raise ValueError(f"one_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
-                         f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
-    _check_blocks("one_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+    _check_both_gradients("one_row_gradients", y, grad_EOI, g, a, b, w_EOI, blocks)
     stream = _streamed_gradients(grad_EOI)
     g32 = g.float()  # (bf16: one row, broadcast from float32, as the two calls widen theirs)
     a32 = g32 if a is g else a.float()
@@ -1525,11 +1533,7 @@ def few_row_gradients(
     kernel = _kernel_for((g, b), None) if fn is not None else None
     if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g) and _rows_contiguous(a)):
         return False
-    rows = g.shape[0]
-    if not (g.shape == a.shape == (rows, O) and b.shape == y.shape == (rows, I) and grad_EOI.shape == w_EOI.shape):
-        raise ValueError(f"few_row_gradients: y {tuple(y.shape)}, gradient {tuple(grad_EOI.shape)}, g {tuple(g.shape)}, "
-                         f"a {tuple(a.shape)}, b {tuple(b.shape)} and w {tuple(w_EOI.shape)} do not fit")
-    _check_blocks("few_row_gradients", blocks, rows, E, f"{rows} rows, w {tuple(w_EOI.shape)}")
+    _check_both_gradients("few_row_gradients", y, grad_EOI, g, a, b, w_EOI, blocks)
     stream = _streamed_gradients(grad_EOI)
     table, address, count = _block_table(blocks)
     gradient = (grad_EOI.data_ptr(), grad_EOI.stride(0), grad_EOI.stride(1), address, count, O, I, int(stream))
