@@ -1427,6 +1427,19 @@ def _needs_one_row_gradients(dtype: torch.dtype):
         pytest.skip("the float32 one-row pass runs where the float32 blocks kernels take every block (AMD's AVX-512 CPUs) with AVX512-BF16")
 
 
+def _by_the_two_calls(outs, g, a, b, w, blocks):
+    """y = g·w_e and grad_e = aᵀ·b by the input and the weight gradients' blocks calls of w's
+    dtype, into outs = (y, grad)."""
+    y, grad = outs
+    if w.dtype == torch.bfloat16:
+        assert _small_gemm.bf16_input_grad_blocks(y, g, w, blocks)
+        assert _small_gemm.bf16_weight_grad_blocks(grad, a, b, blocks, [False] * len(blocks))
+    else:
+        assert _small_gemm.float32_input_grad_blocks(y, g, w, blocks)
+        assert all(_small_gemm.float32_weight_grad_blocks(grad, a, b, blocks, [False] * len(blocks)))
+    return y, grad
+
+
 @pytest.mark.parametrize("shape", [(2, 1), (6, 33), (258, 64), (300, 130), (64, 1040), (512, 3584), (130, 200)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_few_row_gradients_are_the_two_calls_bit_for_bit(shape, dtype):
@@ -1474,13 +1487,7 @@ def test_few_row_gradients_are_the_two_calls_bit_for_bit(shape, dtype):
     if O > 3 and I > 3:
         assert bool(got_w[0][3].isnan().all()) and bool(got_y[3].isnan().all()) and bool(got_y[6:10, 2].isnan().all())
     assert bool((got_y[[5, 21, 22, 23]] == 7).all()) and bool((got_w[5] == 7).all())
-    two_y, two_w = fresh()
-    if dtype == torch.bfloat16:
-        assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
-        assert _small_gemm.bf16_weight_grad_blocks(two_w, g, b, blocks, [False] * len(blocks))
-    else:
-        assert _small_gemm.float32_input_grad_blocks(two_y, g, w, blocks)
-        assert all(_small_gemm.float32_weight_grad_blocks(two_w, g, b, blocks, [False] * len(blocks)))
+    two_y, two_w = _by_the_two_calls(fresh(), g, g, b, w, blocks)
     bits = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t.view(torch.int32))  # noqa: E731
     assert torch.equal(bits(got_y), bits(two_y)) and torch.equal(bits(got_w), bits(two_w))
     one_y, one_w = fresh()
@@ -1572,13 +1579,7 @@ def test_one_row_gradients_are_the_two_calls_bit_for_bit(shape, dtype):
         by_hand = (a[r].float()[:, None] * b[r].float()[None, :]).to(dtype)
         assert torch.equal(got_w[e].isnan(), by_hand.isnan()) and torch.equal(got_w[e].nan_to_num(0.0), by_hand.nan_to_num(0.0))
     assert bool((got_y[[1, 3, 4]] == 7).all()) and bool((got_w[2] == 7).all())
-    two_y, two_w = fresh()
-    if dtype == torch.bfloat16:
-        assert _small_gemm.bf16_input_grad_blocks(two_y, g, w, blocks)
-        assert _small_gemm.bf16_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks))
-    else:
-        assert _small_gemm.float32_input_grad_blocks(two_y, g, w, blocks)
-        assert all(_small_gemm.float32_weight_grad_blocks(two_w, a, b, blocks, [False] * len(blocks)))
+    two_y, two_w = _by_the_two_calls(fresh(), g, a, b, w, blocks)
     one_y, one_w = fresh()
     assert _on_one_thread(lambda: _small_gemm.one_row_gradients(one_y, one_w, g, a, b, w, blocks))
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
