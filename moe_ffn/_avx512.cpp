@@ -1432,12 +1432,13 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
                         int64_t ldc, int64_t o0, int64_t depth, int64_t q, int64_t cols, float* sums,
                         const bf16_t* after, int64_t after_pairs) {
   constexpr int kPairs = (ROWS + 1) / 2;
-  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words)
+  const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
+  const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
+  const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
+  // b's rows widened (ROWS < 4) or their pairs (ROWS ≥ 4, kPairs × 64 words, as pack_pairs
+  // lays out one panel for the weight gradient's packed kernel)
   alignas(64) float b_part[WG ? ROWS * 64 : 1];
   if constexpr (WG) {
-    const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
-    const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
-    const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
     if constexpr (ROWS < 4) {
       for (int s = 0; s < ROWS; ++s)
         for (int h = 0; h < 2; ++h) {
@@ -1446,28 +1447,12 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
           _mm512_store_ps(b_part + s * 64 + 32 * h + 16, widen16(_mm512_extracti64x4_epi64(v, 1)));
         }
     } else {
-      const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-      const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-      auto* pairs_out = reinterpret_cast<uint32_t*>(b_part);
-      for (int pp = 0; pp < kPairs; ++pp)
-        for (int h = 0; h < 2; ++h) {
-          const __mmask32 lanes = h ? m1 : m0;
-          const __m512i lo_row = _mm512_maskz_loadu_epi16(lanes, b + 2 * pp * ldb + q + 32 * h);
-          const __m512i hi_row = 2 * pp + 1 < ROWS
-                                     ? _mm512_maskz_loadu_epi16(lanes, b + (2 * pp + 1) * ldb + q + 32 * h)
-                                     : _mm512_setzero_si512();
-          const __m512i lo = _mm512_unpacklo_epi16(lo_row, hi_row), hi = _mm512_unpackhi_epi16(lo_row, hi_row);
-          _mm512_store_si512(pairs_out + pp * 64 + 32 * h, _mm512_permutex2var_epi32(lo, lower, hi));
-          _mm512_store_si512(pairs_out + pp * 64 + 32 * h + 16, _mm512_permutex2var_epi32(lo, upper, hi));
-        }
+      pack_pairs(b, ldb, 0, ROWS, q, q + cols, 64, 0, reinterpret_cast<uint32_t*>(b_part));
     }
   }
   __m512 acc[ROWS][4];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
-  const int64_t n0 = std::min<int64_t>(32, cols), n1 = std::max<int64_t>(0, std::min<int64_t>(32, cols - 32));
-  const __mmask32 m0 = static_cast<__mmask32>(n0 == 32 ? ~uint64_t{0} : (uint64_t{1} << n0) - 1);
-  const __mmask32 m1 = static_cast<__mmask32>(n1 == 32 ? ~uint64_t{0} : (uint64_t{1} << n1) - 1);
   const int lines = cols > 32 ? 2 : 1;
   const bf16_t* g = p.a + o0;
   const bf16_t* a_o = WG ? a + o0 : nullptr;  // (the weight gradient's a: g, or other rows)

@@ -1486,19 +1486,26 @@ def _few_row_gradients_entry_point(dtype: torch.dtype):
     return points[0]
 
 
+def _few_row_gradients_for(w_EOI: Tensor, blocks: list[tuple[int, int, int]]):
+    """The few-row entry point that takes blocks through w_EOI here (bf16: an even O; float32:
+    where the float32 blocks kernels take the blocks, I at least 64 a thread), else None."""
+    E, O, I = w_EOI.shape
+    if w_EOI.dtype == torch.bfloat16:
+        return _few_row_gradients_entry_point(torch.bfloat16) if O % 2 == 0 else None
+    if w_EOI.dtype != torch.float32 or not (
+        I >= 64 * torch.get_num_threads() and _float32_blocks_here(blocks, O * I)
+        and _float32_blocks_entry_points() is not None
+    ):
+        return None
+    return _few_row_gradients_entry_point(torch.float32)
+
+
 def one_pass_here(w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
     """Whether one_row_gradients or few_row_gradients would take some of these blocks through
     w_EOI here (a cheap look, before the caller makes their operands; the calls still check)."""
-    dtype = w_EOI.dtype
-    least, most = FEW_ROW_GRADIENTS_ROWS.get(dtype, (1, 0))
-    if not any(stop - start == 1 or least <= stop - start <= most for _, start, stop in blocks):
-        return False
-    if dtype == torch.bfloat16:
-        return _few_row_gradients_entry_point(dtype) is not None and w_EOI.shape[1] % 2 == 0
-    return (
-        dtype == torch.float32 and _few_row_gradients_entry_point(dtype) is not None
-        and _float32_blocks_entry_points() is not None and _float32_blocks_here(blocks, w_EOI.shape[1] * w_EOI.shape[2])
-        and w_EOI.shape[2] >= 64 * torch.get_num_threads()
+    least, most = FEW_ROW_GRADIENTS_ROWS.get(w_EOI.dtype, (1, 0))
+    return any(stop - start == 1 or least <= stop - start <= most for _, start, stop in blocks) and (
+        _few_row_gradients_for(w_EOI, blocks) is not None
     )
 
 
@@ -1525,11 +1532,7 @@ def few_row_gradients(
     ):
         return False
     E, O, I = w_EOI.shape
-    if dtype == torch.bfloat16:
-        fn = _few_row_gradients_entry_point(dtype) if O % 2 == 0 else None
-    else:
-        here = _float32_blocks_here(blocks, O * I) and I >= 64 * torch.get_num_threads()
-        fn = _few_row_gradients_entry_point(dtype) if here and _float32_blocks_entry_points() is not None else None
+    fn = _few_row_gradients_for(w_EOI, blocks)
     kernel = _kernel_for((g, b), None) if fn is not None else None
     if kernel is None or not (_writable_rows(y) and _rows_contiguous(b) and _rows_contiguous(g) and _rows_contiguous(a)):
         return False

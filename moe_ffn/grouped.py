@@ -1491,7 +1491,7 @@ def _ffn_backward(
         # bits). Zen 4 EPYC, layer forward+backward against the two calls for w2 (weights out of
         # the caches, 9 rounds, same bits): bf16 T = 16 Mixtral 0.97×, fine-grained 0.94×, T = 1
         # 0.96× / 0.97×; float32 Mixtral T = 16 0.965×, T = 1 0.95× (2026-12-06).
-        a_gF, pair2 = None, none
+        a_gF, gw_gD, pair2 = None, None, none
         if need_w and not with_bias and dtype == cdt and _small_gemm.one_pass_here(w2_EDF, within):
             a_gF = _hidden(h_gH, activation, gated, dtype)
             gw_gD = _round(g_gD * weight_N[first:last, None].to(cdt), dtype) if routed else g_gD
@@ -1516,8 +1516,9 @@ def _ffn_backward(
                         rows = slice(start - first, stop - first)
                         dweight_g[rows] += g_gD[rows] @ b2_ED[e].to(cdt)
                 grad_weight_N[first:last] = dweight_g
-            # the expert's output rows' gradient (in place on the group's gathered rows)
-            g_gD = _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
+            # the expert's output rows' gradient (in place on the group's gathered rows; made
+            # above already where w2's pair took the one-pass kernels)
+            g_gD = gw_gD if gw_gD is not None else _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
         if need_w:
             # down projection's weight gradient, from the recomputed hidden rows
             w2_done = _merged(pair2, lambda rest: _weight_grad_blocks(
