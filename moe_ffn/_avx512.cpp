@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "_team.h"
@@ -1956,6 +1957,49 @@ extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, c
                        }
                        return outer_range(p, first, last);
                      });
+}
+
+extern "C" int moe_ffn_amx_swiglu_bf16(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t rows,
+                                       int64_t features, int threads, void* parallel, void* thread_num,
+                                       void* num_threads);
+extern "C" int moe_ffn_slot_sum_rows(void* out, int out_bf16, int64_t ldo, int64_t out_rows, const int64_t* token,
+                                     const void* src, int src_bf16, int64_t lds, const float* weight, int64_t rows,
+                                     int64_t cols, int64_t* index, int threads, void* parallel, void* thread_num,
+                                     void* num_threads);
+
+// A routed SwiGLU layer's bf16 forward over decode-sized blocks in one call, on the bf16 dot
+// products above: the rows x[token[n]] gathered into xg [rows, dim], h = xg·w1_eᵀ ([rows, 2F],
+// gate | up; moe_ffn_avx512_linear_blocks_bf16), a = silu(gate)·up ([rows, F];
+// moe_ffn_amx_swiglu_bf16, AVX-512 only), y = a·w2_eᵀ ([rows, dim]), and each token's bf16 row
+// of out [tokens, dim] = Σ weight[n]·y[n] over its rows rounded once (moe_ffn_slot_sum_rows:
+// every row written, zeros for a token without rows; `index` its int64 workspace of tokens + 1
+// + rows). w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert / w2_expert elements apart, rows
+// ldw1 / ldw2); xg, h, a, y contiguous. The calls grouped.py's decode path makes one by one (the
+// gather, linear_blocks, swiglu, linear_blocks, the scatter-add into float32 zeros and the
+// rounding, which the slot sum forms alike), on the same buffers in the same order: the same
+// bits, one crossing from Python instead of five. Returns 0, or -1 where a token is outside [0,
+// tokens) (nothing written) or a step declines (out untouched; xg, h, a, y may hold anything).
+extern "C" int moe_ffn_avx512_routed_swiglu_blocks_bf16(const bf16_t* x, int64_t ldx, int64_t tokens,
+                                                        const int64_t* token, const float* weight, const bf16_t* w1,
+                                                        int64_t w1_expert, int64_t ldw1, const bf16_t* w2,
+                                                        int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim,
+                                                        int64_t features, const int64_t* blocks, int64_t count,
+                                                        int64_t rows, bf16_t* xg, bf16_t* h, bf16_t* a, bf16_t* y,
+                                                        bf16_t* out, int64_t* index, int threads, void* parallel,
+                                                        void* thread_num, void* num_threads) {
+  if (rows < 1 || tokens < 1 || dim < 1 || features < 1 || threads < 1) return -1;
+  for (int64_t n = 0; n < rows; ++n)
+    if (token[n] < 0 || token[n] >= tokens) return -1;
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(bf16_t) * dim);
+  const int64_t width = 2 * features;
+  if (moe_ffn_avx512_linear_blocks_bf16(xg, dim, w1, experts, w1_expert, ldw1, h, width, blocks, count, width, dim,
+                                        threads, parallel, thread_num, num_threads) != 0 ||
+      moe_ffn_amx_swiglu_bf16(h, width, a, features, rows, features, threads, parallel, thread_num, num_threads) != 0 ||
+      moe_ffn_avx512_linear_blocks_bf16(a, features, w2, experts, w2_expert, ldw2, y, dim, blocks, count, dim, features,
+                                        threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  return moe_ffn_slot_sum_rows(out, 1, dim, tokens, token, y, 1, dim, weight, rows, dim, index, threads, parallel,
+                               thread_num, num_threads);
 }
 
 // Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (O even),

@@ -613,6 +613,65 @@ def routed_swiglu_blocks(
     return out_TD, h_NH
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_routed_swiglu_entry_point():
+    """moe_ffn_avx512_routed_swiglu_blocks_bf16 with its argument types, where the bf16 blocks
+    kernels run (`_bf16_blocks_entry_points`); else None."""
+    fn = getattr(library(), "moe_ffn_avx512_routed_swiglu_blocks_bf16", None)
+    if fn is None or _bf16_blocks_entry_points() is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
+    fn.argtypes += [ptr] * 6 + [ctypes.c_int, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def bf16_routed_swiglu_blocks(
+    x_TD: Tensor, token_N: Tensor, weight_N: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, blocks: list[tuple[int, int, int]],
+    keep_h: bool,
+) -> Optional[tuple[Tensor, Tensor]]:
+    """A routed SwiGLU layer's bf16 forward over decode-sized blocks in one call of the kernel on
+    AVX512-BF16 CPUs without AMX (`moe_ffn_avx512_routed_swiglu_blocks_bf16`): (out_TD, h_NH),
+    out_TD[t] = Σ weight_N[n]·y[n] over the rows n of token t, summed in float32 and rounded
+    once to bf16 (zeros for a token without rows), y = a·w2_EDF[e]ᵀ, a = silu(gate)·up of h_NH =
+    x_TD[token_N[n]]·w1_EHD[e]ᵀ, where the blocks (expert, start, stop) cover rows 0..N in
+    order; h_NH kept with `keep_h`, else empty. The calls grouped.py's decode path makes for a
+    bf16 layer computing in bf16 (the gather, `linear_blocks` on the bf16 dot products, the bf16
+    SwiGLU pass, `linear_blocks`, `scatter_add_rows` into float32 zeros, the rounding) on the
+    same kernels in the same order: the same bits. The caller checks that the SwiGLU pass runs
+    here (`_amx.swiglu_forward_available`). None where a step would not run on its kernel (then
+    the caller makes the calls); a token out of range raises."""
+    E, H, D = w1_EHD.shape
+    N, F = token_N.shape[0], H // 2
+    if not (
+        x_TD.dtype == w1_EHD.dtype == w2_EDF.dtype == torch.bfloat16 and _rows_contiguous(x_TD) and x_TD.shape[1] == D
+        and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0 and tuple(w2_EDF.shape) == (E, D, F)
+        and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
+        and token_N.dtype == torch.int64 and token_N.is_contiguous() and routed_rows_fit(token_N, weight_N, blocks)
+        and bf16_forward_blocks_fit(blocks)
+    ):
+        return None
+    fn, kernel = _bf16_routed_swiglu_entry_point(), _kernel_for((x_TD,), None)
+    if fn is None or kernel is None:
+        return None
+    _check_blocks("bf16_routed_swiglu_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    xg_ND, a_NF, y_ND = _memory.scratch(x_TD, N, D), _memory.scratch(x_TD, N, F), _memory.scratch(x_TD, N, D)
+    h_NH = x_TD.new_empty(N, H) if keep_h else _memory.scratch(x_TD, N, H)
+    out_TD = x_TD.new_empty(x_TD.shape[0], D)
+    index = torch.empty(x_TD.shape[0] + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
+    table, address, count = _block_table(blocks)
+    status = fn(
+        x_TD.data_ptr(), x_TD.stride(0), x_TD.shape[0], token_N.data_ptr(), weight_N.data_ptr(), w1_EHD.data_ptr(),
+        w1_EHD.stride(0), w1_EHD.stride(1), w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address,
+        count, N, xg_ND.data_ptr(), h_NH.data_ptr(), a_NF.data_ptr(), y_ND.data_ptr(), out_TD.data_ptr(),
+        index.data_ptr(), torch.get_num_threads(), *kernel[1],
+    )
+    if status != 0:
+        raise RuntimeError(f"bf16_routed_swiglu_blocks: a token index out of range [0, {x_TD.shape[0]}) or a step declined")
+    return out_TD, (h_NH if keep_h else x_TD.new_empty(0, H))
+
+
 def routed_swiglu_backward_blocks(
     grad_x_TD: Tensor, grad_w1_EHD: Tensor, grad_w2_EDF: Tensor, grad_weight_N: Tensor, grad_out_TD: Tensor,
     x_TD: Tensor, h_NH: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, token_N: Tensor, weight_N: Tensor,

@@ -1006,7 +1006,9 @@ def _grouped_mm_blocks(x_NI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor
     return torch._grouped_mm(x_NI, w_EOI.transpose(1, 2), offs=offsets_E)
 
 
-def _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks):
+def _ffn_forward_decode(
+    x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks, out_dtype=None, keep_h=True
+):
     """`_ffn_forward` for decode-sized blocks, one call of `project` per projection (see
     _decode_projection): the same native GEMMs, activation rounding and fp32 weighted sum as
     the per-block loop. Experts without rows are not read. A routed float32 SwiGLU layer on
@@ -1019,12 +1021,18 @@ def _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated,
     float32 (CPUs without bf16 units) the same way, from bf16 x and weights (the same bits as
     the calls below; Zen 1 EPYC, interleaved in one process, medians, 2026-12-06): forward T = 1
     fine-grained 2.58 → 2.28 ms, Mixtral 3.73 → 3.36 (61 rounds); T = 16 0.967 / 0.965× (31);
-    forward+backward T = 1 0.939 / 0.977× (41)."""
-    if (
+    forward+backward T = 1 0.939 / 0.977× (41). A bf16 layer computing in bf16 on AVX512-BF16
+    CPUs without AMX likewise (`_small_gemm.bf16_routed_swiglu_blocks`, the bf16 result rounded
+    in the call: the same bits as the calls below and the caller's rounding): see there."""
+    silu_routed = (
         token_N is not None and used == token_N.shape[0] and gated and canonical_activation(activation) == "silu"
-        and cdt == torch.float32
-    ):
+    )
+    if silu_routed and cdt == torch.float32:
         fused = _small_gemm.routed_swiglu_blocks(x, token_N, weight_N, w1_EHD, w2_EDF, blocks)
+        if fused is not None:
+            return fused
+    if silu_routed and cdt == x.dtype == out_dtype == torch.bfloat16 and _amx.swiglu_forward_available():
+        fused = _small_gemm.bf16_routed_swiglu_blocks(x, token_N, weight_N, w1_EHD, w2_EDF, blocks, keep_h)
         if fused is not None:
             return fused
     x_ND = x if token_N is None else x.index_select(0, token_N)
@@ -1183,7 +1191,9 @@ def _ffn_forward(
         out_dtype = weight_N.dtype
     project = _decode_projection(x, w1_EHD, w2_EDF, blocks, counts_E, b1_EH is not None, cdt)
     if project is not None:
-        out, h_NH = _ffn_forward_decode(x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks)
+        out, h_NH = _ffn_forward_decode(
+            x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks, out_dtype, keep_h
+        )
         return (out if token_N is None else out.to(out_dtype)), h_NH
     swiglu_in_product = (
         gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
@@ -1443,7 +1453,7 @@ def _ffn_backward(
         and gated and canonical_activation(activation) == "silu"
     )
     one_call_fn = None
-    if one_call and by_token and cdt == dtype == torch.bfloat16:
+    if one_call and by_token and cdt == dtype == torch.bfloat16 and _amx.available():
         # One group of bf16 rows on the AMX kernels (a decode step's backward): the loop
         # below's calls in one (`_amx.routed_swiglu_backward_blocks`, the same bits). 2-core
         # Xeon, without → with, interleaved in one process (41 rounds, two runs): forward+backward

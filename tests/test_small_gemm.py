@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ffn import MoE, _small_gemm
+from moe_ffn import MoE, _amx, _small_gemm
 from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
 U = 2.0**-24  # float32 unit roundoff
@@ -1930,6 +1930,76 @@ def test_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(monkeypatch, 
     # h, a and y each rounded to bf16 once (u = 2^-8), relative to the sizes of the terms
     scale = ref.abs().max()
     assert ((out.double() - ref).abs() <= 4 * 2.0**-8 * scale).all()
+
+
+@pytest.mark.parametrize("T, K", [(1, 2), (3, 2), (5, 8), (12, 4)])
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_native_bf16_routed_swiglu_blocks_are_the_decode_calls_one_by_one(T, K, keep_h):
+    """A bf16 layer computing in bf16 on the AVX512-BF16 kernels (no AMX): the decode forward
+    in one call (bf16_routed_swiglu_blocks), out (bf16) and h (bf16, kept or not) bit for bit
+    the gather, linear_blocks on the bf16 dot products, the bf16 SwiGLU pass, linear_blocks and
+    scatter_add_rows into float32 zeros rounded to bf16 once; out within bf16's rounding of the
+    float64 loop on the same bf16 values, zeros for the token without rows."""
+    _needs_kernel()
+    _needs_bf16_blocks()
+    if not _amx.swiglu_forward_available():
+        pytest.skip("the bf16 SwiGLU pass does not run here")
+    torch.manual_seed(10 * T + K)
+    E, D, F = 9, 40, 24
+    x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F, dtype=torch.bfloat16)
+    got = _small_gemm.bf16_routed_swiglu_blocks(x, token, weight, w1, w2, blocks, keep_h)
+    assert got is not None
+    out, h = got
+    assert out.dtype == h.dtype == torch.bfloat16 and out.shape == (T + 1, D)
+    h_apart = _small_gemm.linear_blocks(x.index_select(0, token), w1, blocks)
+    y = _small_gemm.linear_blocks(_amx.swiglu(h_apart), w2, blocks)
+    out_apart = torch.zeros(T + 1, D)
+    assert _small_gemm.scatter_add_rows(out_apart, token, y, weight)
+    assert torch.equal(out.view(torch.int16), out_apart.bfloat16().view(torch.int16))
+    if keep_h:
+        assert torch.equal(h.view(torch.int16), h_apart.view(torch.int16))
+    else:
+        assert h.shape == (0, 2 * F)
+    assert (out[T] == 0).all()
+    ref = torch.zeros(T + 1, D, dtype=torch.float64)
+    for n in range(T * K):
+        h_n = w1[expert[n]].double() @ x[token[n]].double()
+        ref[token[n]] += weight[n].double() * (w2[expert[n]].double() @ (torch.nn.functional.silu(h_n[:F]) * h_n[F:]))
+    # h, silu(gate), a, y and out each rounded to bf16 once (u = 2^-8), relative to the terms' sizes
+    assert ((out.double() - ref).abs() <= 8 * 2.0**-8 * ref.abs().max()).all()
+
+
+def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
+    """A bf16 MoE layer's decode forward (eval and training, with its backward) takes the one
+    call on the AVX512-BF16 kernels, with the same output and gradients, bit for bit, as with the
+    call declining (grouped.py's calls one by one); a token index out of range is an error."""
+    _needs_kernel()
+    _needs_bf16_blocks()
+    if not _amx.swiglu_forward_available():
+        pytest.skip("the bf16 SwiGLU pass does not run here")
+    torch.manual_seed(3)
+    moe = MoE(dim=64, hidden_dim=48, num_experts=8, top_k=2).to(torch.bfloat16)
+    x, g = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    real, ran = _small_gemm.bf16_routed_swiglu_blocks, []
+
+    def step(one_call: bool):
+        monkeypatch.setattr(
+            _small_gemm, "bf16_routed_swiglu_blocks",
+            (lambda *a: ran.append(real(*a)) or ran[-1]) if one_call else (lambda *a: None),
+        )
+        with torch.no_grad():
+            y_eval = moe(x)
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return [y_eval, y, *torch.autograd.grad((y.float() * g.float()).sum(), [leaf, *moe.parameters()])]
+
+    together, apart = step(True), step(False)
+    assert len(ran) == 2 and all(r is not None for r in ran)
+    for a, b in zip(together, apart):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    x1, w1, w2, token, _, weight, blocks = routed_rows(1, 2, 9, 40, 24, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        real(x1, token + 5, weight, w1, w2, blocks, False)
 
 
 def _backward_with_and_without_one_call(monkeypatch, moe, x, g):
