@@ -657,6 +657,69 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
   return true;
 }
 
+// ---- the router's products of a few bf16 tokens (float32 sums on one thread) ----------------
+//
+// The router multiplies bf16 tokens and weights in float32 (router.py). For a decode step's few
+// tokens its GEMMs were mostly their setting up: a widened float32 copy of x and of W each call,
+// whose fresh lines the other thread then fetched from this core's cache. Here each product of
+// two bf16 values is formed exactly in float32 from the values as they lie and summed in
+// float32 (fused multiply-adds: float32's own rounding, in this kernel's order), on the calling
+// thread only.
+
+// logits[t, e] = Σ_d x[t, d]·w[e, d]: four running sums of 16 lanes (d mod 64), added pairwise
+// and reduced across lanes.
+void router_logits_rows(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t ldw, float* logits, int64_t ldl,
+                        int64_t tokens, int64_t experts, int64_t dim) {
+  const int64_t whole = dim & ~int64_t{63};
+  for (int64_t t = 0; t < tokens; ++t) {
+    const bf16_t* xt = x + t * ldx;
+    for (int64_t e = 0; e < experts; ++e) {
+      const bf16_t* we = w + e * ldw;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t d = 0; d < whole; d += 64)
+        for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(load16(xt + d + 16 * j), load16(we + d + 16 * j), acc[j]);
+      for (int64_t d = whole, j = 0; d < dim; d += 16, ++j) {
+        const __mmask16 lanes = static_cast<__mmask16>(dim - d >= 16 ? 0xFFFF : (1u << (dim - d)) - 1);
+        acc[j] = _mm512_fmadd_ps(load16(xt + d, lanes), load16(we + d, lanes), acc[j]);
+      }
+      logits[t * ldl + e] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+  }
+}
+
+// out[i, :] = Σ_j g[i·gi + j·gj]·src[j, :] for i < rows, j < depth (bf16 src [depth, dim], rows
+// lds apart), each sum in j's order rounded to bf16 once into out (rows ldo apart): the router's
+// input gradient (i a token, j an expert: g·W) and its weight's (i an expert, j a token: gᵀ·x).
+void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src, int64_t lds, bf16_t* out,
+                      int64_t ldo, int64_t rows, int64_t depth, int64_t dim) {
+  constexpr int kVecs = 8;  // 128 columns at a time
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < dim; c += 16 * kVecs) {
+      const int64_t n = std::min<int64_t>(16 * kVecs, dim - c);
+      __m512 acc[kVecs];
+      for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
+      if (n == 16 * kVecs) {
+        for (int64_t j = 0; j < depth; ++j) {
+          const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
+          for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v), acc[v]);
+        }
+        for (int v = 0; v < kVecs; ++v) store16<false>(out + i * ldo + c + 16 * v, acc[v]);
+        continue;
+      }
+      for (int64_t j = 0; j < depth; ++j) {
+        const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
+        for (int v = 0; v < kVecs && 16 * v < n; ++v) {
+          const __mmask16 lanes = static_cast<__mmask16>(n - 16 * v >= 16 ? 0xFFFF : (1u << (n - 16 * v)) - 1);
+          acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes), acc[v]);
+        }
+      }
+      for (int v = 0; v < kVecs && 16 * v < n; ++v)
+        store16(out + i * ldo + c + 16 * v, acc[v],
+                static_cast<__mmask16>(n - 16 * v >= 16 ? 0xFFFF : (1u << (n - 16 * v)) - 1));
+    }
+  }
+}
+
 void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
   if (p.k >= kPanelLeast && p.k <= kMatmulDepth && p.n >= 128) {
     if (p.accumulate ? panels_range<true, false>(p, first, last)
@@ -676,6 +739,30 @@ void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
 // 1 where the kernel runs on this CPU (AVX-512 F/BW/VL, enabled by the OS), else 0 (then the
 // entry point returns -1).
 extern "C" int moe_ffn_avx512_ready() { return ready() ? 1 : 0; }
+
+// The router's float32 logits [tokens, experts] (rows ldl apart) of bf16 x [tokens, dim] and w
+// [experts, dim] (router_logits_rows), on the calling thread. Returns 0, or -1 where the CPU
+// lacks AVX-512 (logits untouched).
+extern "C" int moe_ffn_avx512_router_logits_bf16(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t ldw,
+                                                 float* logits, int64_t ldl, int64_t tokens, int64_t experts,
+                                                 int64_t dim) {
+  if (!ready() || tokens < 0 || experts < 0 || dim < 0) return -1;
+  router_logits_rows(x, ldx, w, ldw, logits, ldl, tokens, experts, dim);
+  return 0;
+}
+
+// Their gradients from float32 g [tokens, experts] (rows ldg apart): grad_x = g·w [tokens, dim]
+// and grad_w = gᵀ·x [experts, dim], bf16 (router_grad_rows; a null one not made), on the
+// calling thread. Returns 0, or -1 where the CPU lacks AVX-512 (nothing written).
+extern "C" int moe_ffn_avx512_router_backward_bf16(const float* g, int64_t ldg, const bf16_t* x, int64_t ldx,
+                                                   const bf16_t* w, int64_t ldw, bf16_t* grad_x, int64_t ldgx,
+                                                   bf16_t* grad_w, int64_t ldgw, int64_t tokens, int64_t experts,
+                                                   int64_t dim) {
+  if (!ready() || tokens < 0 || experts < 0 || dim < 0) return -1;
+  if (grad_x != nullptr) router_grad_rows(g, ldg, 1, w, ldw, grad_x, ldgx, tokens, experts, dim);
+  if (grad_w != nullptr) router_grad_rows(g, 1, ldg, x, ldx, grad_w, ldgw, experts, tokens, dim);
+  return 0;
+}
 
 // c = aᵀ·b (c += aᵀ·b with `accumulate`) for float32 a [k, m], b [k, n], c [m, n] (row strides
 // in elements, last dims contiguous); with `stream` (not accumulating) c's whole 64-byte lines

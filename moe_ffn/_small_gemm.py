@@ -1166,6 +1166,67 @@ def avx512_matmul_into(out: Tensor, a: Tensor, b: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _router_entry_points():
+    """(logits, backward) AVX-512 entry points for the router's products of a few bf16 tokens,
+    or None where they do not run (as `_avx512_entry_points`)."""
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points(
+        "moe_ffn_avx512_ready", "moe_ffn_avx512_router_logits_bf16", "moe_ffn_avx512_router_backward_bf16"
+    )
+    if points is None:
+        return None
+    logits, backward = points
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    logits.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
+    backward.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
+    return logits, backward
+
+
+def _router_operands(x_TD: Tensor, w_ED: Tensor) -> bool:
+    return (
+        x_TD.dtype == w_ED.dtype == torch.bfloat16 and x_TD.dim() == w_ED.dim() == 2 and x_TD.shape[1] == w_ED.shape[1]
+        and _rows_contiguous(x_TD) and _rows_contiguous(w_ED) and _router_entry_points() is not None
+    )
+
+
+def router_logits(x_TD: Tensor, w_ED: Tensor) -> Optional[Tensor]:
+    """The router's float32 logits x·Wᵀ [T, E] of bf16 x [T, D] and W [E, D] on the calling
+    thread (`moe_ffn_avx512_router_logits_bf16`): each product of two bf16 values exact in
+    float32, the sums float32's (fused multiply-adds in the kernel's order), no widened copies;
+    None where the kernel does not run (not bf16, rows not contiguous, no AVX-512 kernel)."""
+    if not _router_operands(x_TD, w_ED):
+        return None
+    T, E = x_TD.shape[0], w_ED.shape[0]
+    logits_TE = x_TD.new_empty(T, E, dtype=torch.float32)
+    status = _router_entry_points()[0](
+        x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0), logits_TE.data_ptr(), E, T, E, x_TD.shape[1]
+    )
+    return logits_TE if status == 0 else None
+
+
+def router_backward(
+    g_TE: Tensor, x_TD: Tensor, w_ED: Tensor, need_x: bool, need_w: bool
+) -> Optional[tuple[Optional[Tensor], Optional[Tensor]]]:
+    """(grad_x, grad_w) of `router_logits` from float32 g [T, E]: g·W [T, D] and gᵀ·x [E, D], bf16,
+    each float32 sum (exact products, in the expert's or the token's order) rounded once (None
+    where not needed); None where the kernel does not run."""
+    if not (
+        _router_operands(x_TD, w_ED) and g_TE.dtype == torch.float32 and g_TE.dim() == 2
+        and g_TE.shape == (x_TD.shape[0], w_ED.shape[0]) and g_TE.stride(1) == 1 and g_TE.device.type == "cpu"
+    ):
+        return None
+    (T, D), E = x_TD.shape, w_ED.shape[0]
+    grad_x = x_TD.new_empty(T, D) if need_x else None
+    grad_w = w_ED.new_empty(E, D) if need_w else None
+    status = _router_entry_points()[1](
+        g_TE.data_ptr(), g_TE.stride(0), x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0),
+        None if grad_x is None else grad_x.data_ptr(), D, None if grad_w is None else grad_w.data_ptr(), D, T, E, D,
+    )
+    return (grad_x, grad_w) if status == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
 def _float32_blocks_entry_points():
     """(input gradients, weight gradients) float32 blocks entry points of the AVX-512 kernels
     (_avx512.cpp), or None where they do not run."""

@@ -82,6 +82,11 @@ def _widened(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 _AMX_PADDED_MIN_TOKENS = 32
 
+# Up to this many bf16 tokens (a decode step's) the logits and their gradients are float32 sums
+# of the exact products on the calling thread (`_small_gemm.router_logits`, `router_backward`:
+# AVX-512 CPUs), not GEMMs on widened copies.
+_FEW_TOKENS = 16
+
 
 def _widened_linear(x_TD: Tensor, w_ED: Tensor, dtype: torch.dtype) -> Tensor:
     """x·Wᵀ of low-precision x in `dtype`: on AMX CPUs, for bf16 x and W, the tiles' float32
@@ -92,6 +97,10 @@ def _widened_linear(x_TD: Tensor, w_ED: Tensor, dtype: torch.dtype) -> Tensor:
     / 43.5 µs)."""
     if dtype == torch.float32 and (w_ED.shape[0] % 16 == 0 or x_TD.shape[0] >= _AMX_PADDED_MIN_TOKENS):
         logits = _amx.linear_float32(x_TD, w_ED)
+        if logits is not None:
+            return logits
+    if dtype == torch.float32 and x_TD.shape[0] <= _FEW_TOKENS:
+        logits = _small_gemm.router_logits(x_TD, w_ED)
         if logits is not None:
             return logits
     return _linear32(_widened(x_TD, dtype), w_ED.to(dtype))
@@ -120,6 +129,10 @@ class _WidenedLogits(torch.autograd.Function):
         on_tiles = _tiles_backward(g_TE, x_TD, w_ED, *ctx.needs_input_grad[:2])
         if on_tiles is not None:
             return on_tiles
+        if x_TD.shape[0] <= _FEW_TOKENS:
+            few = _small_gemm.router_backward(g_TE, x_TD, w_ED, *ctx.needs_input_grad[:2])
+            if few is not None:
+                return few
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             g_TD = _memory.scratch(g_TE, x_TD.shape[0], x_TD.shape[1], dtype=dtype)

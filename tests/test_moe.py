@@ -382,6 +382,41 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
             assert torch.equal(moe.router.weight.grad, want_w)
 
 
+@pytest.mark.parametrize("T", [1, 16, 17])
+def test_bf16_router_of_a_few_tokens_on_the_kernel(monkeypatch, T):
+    """Up to router._FEW_TOKENS bf16 tokens the logits and both gradients come from moe_ffn's
+    one-thread kernel (no widened copies on scratch memory), with and without autograd the
+    same logits, each within float32's rounding of the float64 products (the gradients before
+    one bf16 rounding); past it the widened GEMMs (`test_bf16_router_logits_are_...`)."""
+    from moe_ffn import router as router_module
+
+    if router_module._small_gemm._router_entry_points() is None:
+        pytest.skip("no AVX-512 router kernel here (CPU without AVX-512, or the library not built)")
+    monkeypatch.setattr(router_module._amx, "linear_float32", lambda x, w: None)
+    monkeypatch.setattr(router_module, "_tiles_backward", lambda *a: None)
+    runs = []
+    for name in ("router_logits", "router_backward"):
+        real = getattr(router_module._small_gemm, name)
+        monkeypatch.setattr(router_module._small_gemm, name, lambda *a, real=real, name=name: runs.append(name) or real(*a))
+    few = T <= router_module._FEW_TOKENS
+    torch.manual_seed(T)
+    moe = MoE(dim=96, hidden_dim=32, num_experts=8, top_k=2).to(torch.bfloat16)
+    x = torch.randn(T, 96).bfloat16().requires_grad_()
+    routed = moe.router(x)
+    with torch.no_grad():
+        again = moe.router(x).logits_TE
+    assert torch.equal(again, routed.logits_TE.detach())
+    g = torch.randn(T, 8)
+    routed.logits_TE.backward(g)
+    assert runs == (["router_logits", "router_logits", "router_backward"] if few else [])
+    x64, w64, g64 = x.detach().double(), moe.router.weight.detach().double(), g.double()
+    assert ((routed.logits_TE.detach().double() - x64 @ w64.T).abs() <= 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)).all()
+    want_x, want_w = g64 @ w64, g64.T @ x64
+    assert ((x.grad.double() - want_x).abs() <= 8 * 2.0**-24 * (g64.abs() @ w64.abs()) + 2.0**-8 * want_x.abs()).all()
+    w_bound = T * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * want_w.abs()
+    assert ((moe.router.weight.grad.double() - want_w).abs() <= w_bound).all()
+
+
 @pytest.mark.parametrize("E", [8, 64])
 def test_router_backward_on_tiles(monkeypatch, E):
     """The logits' gradients of bf16 tokens on the AMX tiles (`router._tiles_backward`), past the

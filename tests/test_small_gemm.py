@@ -2002,6 +2002,35 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
         real(x1, token + 5, weight, w1, w2, blocks, False)
 
 
+@pytest.mark.parametrize("T, E, D", [(1, 64, 1024), (3, 7, 37), (16, 8, 1000), (2, 1, 64)])
+def test_router_kernel_sums_exact_products_in_float32(T, E, D):
+    """The router's products of a few bf16 tokens on one thread (router_logits, router_backward):
+    the logits within float32's rounding of the float64 products, the gradients g·W and gᵀ·x
+    within it before one bf16 rounding; tails of D past whole vectors, rows of a wider tensor
+    (a row stride of their own), a NaN in g reaching exactly its token's row and its expert's."""
+    _needs_avx512_kernel()
+    torch.manual_seed(T * E + D)
+    x = torch.randn(T, D + 5).bfloat16()[:, 2 : D + 2]
+    w = (torch.randn(E, D) / D**0.5).bfloat16()
+    x64, w64 = x.double(), w.double()
+    logits = _small_gemm.router_logits(x, w)
+    assert logits is not None and logits.dtype == torch.float32 and logits.shape == (T, E)
+    assert ((logits.double() - x64 @ w64.T).abs() <= D * 2.0**-24 * (x64.abs() @ w64.abs().T)).all()
+    g = torch.randn(T, E)
+    grad_x, grad_w = _small_gemm.router_backward(g, x, w, True, True)
+    g64 = g.double()
+    want_x, want_w = g64 @ w64, g64.T @ x64
+    assert ((grad_x.double() - want_x).abs() <= E * 2.0**-24 * (g64.abs() @ w64.abs()) + 2.0**-8 * want_x.abs()).all()
+    assert ((grad_w.double() - want_w).abs() <= T * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * want_w.abs()).all()
+    assert _small_gemm.router_backward(g, x, w, False, True)[0] is None
+    assert torch.equal(_small_gemm.router_backward(g, x, w, False, True)[1].view(torch.int16), grad_w.view(torch.int16))
+    g[0, E - 1] = float("nan")
+    grad_x, grad_w = _small_gemm.router_backward(g, x, w, True, True)
+    assert grad_x[0].isnan().all() and not grad_x[1:].isnan().any()
+    assert grad_w[E - 1].isnan().all() and not grad_w[: E - 1].isnan().any()
+    assert _small_gemm.router_logits(x.float(), w.float()) is None  # (float32: F.linear's own)
+
+
 def _backward_with_and_without_one_call(monkeypatch, moe, x, g):
     """(together, apart, ran): [y, x's gradient, each parameter's] of one forward+backward with
     routed_swiglu_backward_blocks as it is and one with it declining (grouped._ffn_backward's
