@@ -692,30 +692,21 @@ void router_logits_rows(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t l
 // input gradient (i a token, j an expert: g·W) and its weight's (i an expert, j a token: gᵀ·x).
 void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src, int64_t lds, bf16_t* out,
                       int64_t ldo, int64_t rows, int64_t depth, int64_t dim) {
-  constexpr int kVecs = 8;  // 128 columns at a time
+  constexpr int kVecs = 8;  // 128 columns at a time (the last ones masked)
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t c = 0; c < dim; c += 16 * kVecs) {
-      const int64_t n = std::min<int64_t>(16 * kVecs, dim - c);
+      __mmask16 lanes[kVecs];
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, dim - c - 16 * v));
+        lanes[v] = static_cast<__mmask16>((1u << n) - 1);
+      }
       __m512 acc[kVecs];
       for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
-      if (n == 16 * kVecs) {
-        for (int64_t j = 0; j < depth; ++j) {
-          const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
-          for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v), acc[v]);
-        }
-        for (int v = 0; v < kVecs; ++v) store16<false>(out + i * ldo + c + 16 * v, acc[v]);
-        continue;
-      }
       for (int64_t j = 0; j < depth; ++j) {
         const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
-        for (int v = 0; v < kVecs && 16 * v < n; ++v) {
-          const __mmask16 lanes = static_cast<__mmask16>(n - 16 * v >= 16 ? 0xFFFF : (1u << (n - 16 * v)) - 1);
-          acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes), acc[v]);
-        }
+        for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes[v]), acc[v]);
       }
-      for (int v = 0; v < kVecs && 16 * v < n; ++v)
-        store16(out + i * ldo + c + 16 * v, acc[v],
-                static_cast<__mmask16>(n - 16 * v >= 16 ? 0xFFFF : (1u << (n - 16 * v)) - 1));
+      for (int v = 0; v < kVecs; ++v) store16(out + i * ldo + c + 16 * v, acc[v], lanes[v]);
     }
   }
 }

@@ -6,7 +6,8 @@ NOTE: the router runs in at least float32 whatever the input dtype: logits, soft
 and the combine weights. A bf16 router picks different experts than the full-precision one
 on near-ties and is a known source of loss spikes; float64 inputs stay float64. The float32
 logits of bf16 tokens are float32 sums of the exact products in whatever order the kernel
-takes (MKL's on a widened copy, or the AMX tiles'), so their low bits are not fixed. Of equal
+takes (MKL's on a widened copy, the AMX tiles', or for a few tokens moe_ffn's one-thread
+kernel: `_FEW_TOKENS`), so their low bits are not fixed. Of equal
 scores the top-k takes the lower expert first where the kernel runs (on CPU, at 4096 scores
 or more; torch.topk leaves that order unspecified).
 """
@@ -84,14 +85,19 @@ _AMX_PADDED_MIN_TOKENS = 32
 
 # Up to this many bf16 tokens (a decode step's) the logits and their gradients are float32 sums
 # of the exact products on the calling thread (`_small_gemm.router_logits`, `router_backward`:
-# AVX-512 CPUs), not GEMMs on widened copies.
+# AVX-512 CPUs), not GEMMs on widened copies: for so few tokens the GEMMs' cost was mostly the
+# copies of x and W, whose fresh lines the other thread then fetched from this core's cache. The
+# Zen 4 EPYC (2026-12-07, router alone, µs, min of 5 × 3000 calls, GEMMs → kernel): E = 64, T =
+# 1 forward 55 → 27, forward+backward 179 → 81; E = 8 31 → 20 / 132 → 63; E = 64, T = 16 96 →
+# 88 / 290 → 217, T = 32 148 → 159 / 482 → 363 (the forward past it slower: hence 16).
 _FEW_TOKENS = 16
 
 
 def _widened_linear(x_TD: Tensor, w_ED: Tensor, dtype: torch.dtype) -> Tensor:
     """x·Wᵀ of low-precision x in `dtype`: on AMX CPUs, for bf16 x and W, the tiles' float32
-    sums of the exact products (`_amx.linear_float32`, no widened copy); else the float32 GEMM
-    of widened copies. The tiles form 16 logits a row: fewer experts (Mixtral's 8) pad the
+    sums of the exact products (`_amx.linear_float32`, no widened copy); for up to _FEW_TOKENS
+    bf16 tokens on AVX-512 CPUs moe_ffn's one-thread kernel's (no copies either); else the
+    float32 GEMM of widened copies. The tiles form 16 logits a row: fewer experts (Mixtral's 8) pad the
     weight with zero rows, a copy that costs more than it saves below _AMX_PADDED_MIN_TOKENS
     (2-core Xeon, E = 8, widened → tiles: T = 16 / 32 / 256 17.4 / 31.8 / 102.5 → 18.0 / 19.2
     / 43.5 µs)."""
@@ -115,7 +121,10 @@ class _WidenedLogits(torch.autograd.Function):
     float32 [T, D] too). Router forward+backward alone, Mixtral's at T = 8192: ~33 ms before
     (three thin sgemms on fresh memory 17, the casts 10). On AMX CPUs, bf16 x and W: the logits
     on the tiles (`_widened_linear`) and, from _TILES_BACKWARD_MIN_MACS, both gradients too
-    (`_tiles_backward`), without widened copies."""
+    (`_tiles_backward`), without widened copies. Up to _FEW_TOKENS bf16 tokens on AVX-512 CPUs
+    the logits and both gradients come from moe_ffn's one-thread kernel, also without copies
+    (`_small_gemm.router_backward`: float32 sums of the exact products, each gradient rounded
+    to bf16 once, as the GEMMs' results are)."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
