@@ -476,17 +476,11 @@ def swiglu_forward_blocks(
 
 @functools.lru_cache(maxsize=None)
 def _routed_swiglu_entry_point():
-    """moe_ffn_amx_routed_swiglu_blocks with its argument types, or None (as `_entry_points`)."""
-    import ctypes
-
-    fn = getattr(_small_gemm.library(), "moe_ffn_amx_routed_swiglu_blocks", None) if _entry_points() is not None else None
-    if fn is None:
+    """moe_ffn_amx_routed_swiglu_blocks (h, a, y, out, the slot sum's index) with its argument
+    types, or None (as `_entry_points`)."""
+    if _entry_points() is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
-    fn.argtypes += [ptr] * 5 + [ctypes.c_int, ptr, ptr, ptr]
-    fn.restype = ctypes.c_int
-    return fn
+    return _small_gemm.routed_forward_entry_point("moe_ffn_amx_routed_swiglu_blocks", 5)
 
 
 def routed_swiglu_blocks(

@@ -613,18 +613,28 @@ def routed_swiglu_blocks(
     return out_TD, h_NH
 
 
-@functools.lru_cache(maxsize=None)
-def _bf16_routed_swiglu_entry_point():
-    """moe_ffn_avx512_routed_swiglu_blocks_bf16 with its argument types, where the bf16 blocks
-    kernels run (`_bf16_blocks_entry_points`); else None."""
-    fn = getattr(library(), "moe_ffn_avx512_routed_swiglu_blocks_bf16", None)
-    if fn is None or _bf16_blocks_entry_points() is None:
+def routed_forward_entry_point(name: str, buffers: int):
+    """The library's one-call routed SwiGLU forward `name` (the signature of
+    moe_ffn_amx_routed_swiglu_blocks: x, ldx, tokens, token, weight, w1 and its strides, w2 and
+    its strides, experts, dim, features, the block table, its count, rows, then `buffers`
+    pointers and the team) with its argument types, or None where it is not built."""
+    fn = getattr(library(), name, None) if library() is not None else None
+    if fn is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, i64]
-    fn.argtypes += [ptr] * 6 + [ctypes.c_int, ptr, ptr, ptr]
+    fn.argtypes += [ptr] * buffers + [ctypes.c_int, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_routed_swiglu_entry_point():
+    """moe_ffn_avx512_routed_swiglu_blocks_bf16 (xg, h, a, y, out, the slot sum's index), where
+    the bf16 blocks kernels run (`_bf16_blocks_entry_points`); else None."""
+    if _bf16_blocks_entry_points() is None:
+        return None
+    return routed_forward_entry_point("moe_ffn_avx512_routed_swiglu_blocks_bf16", 6)
 
 
 def bf16_routed_swiglu_blocks(
