@@ -1198,8 +1198,10 @@ def _router_entry_points():
 
 def _router_operands(x_TD: Tensor, w_ED: Tensor) -> bool:
     return (
-        x_TD.dtype == w_ED.dtype == torch.bfloat16 and x_TD.dim() == w_ED.dim() == 2 and x_TD.shape[1] == w_ED.shape[1]
-        and _rows_contiguous(x_TD) and _rows_contiguous(w_ED) and _router_entry_points() is not None
+        not torch.compiler.is_compiling()  # (first: dynamo must not trace into the entry points)
+        and x_TD.dtype == w_ED.dtype == torch.bfloat16 and x_TD.dim() == w_ED.dim() == 2
+        and x_TD.shape[1] == w_ED.shape[1] and _rows_contiguous(x_TD) and _rows_contiguous(w_ED)
+        and _router_entry_points() is not None
     )
 
 
@@ -1207,7 +1209,8 @@ def router_logits(x_TD: Tensor, w_ED: Tensor) -> Optional[Tensor]:
     """The router's float32 logits x·Wᵀ [T, E] of bf16 x [T, D] and W [E, D] on the calling
     thread (`moe_ffn_avx512_router_logits_bf16`): each product of two bf16 values exact in
     float32, the sums float32's (fused multiply-adds in the kernel's order), no widened copies;
-    None where the kernel does not run (not bf16, rows not contiguous, no AVX-512 kernel)."""
+    None where the kernel does not run (not bf16, rows not contiguous, no AVX-512 kernel, or
+    torch.compile tracing)."""
     if not _router_operands(x_TD, w_ED):
         return None
     T, E = x_TD.shape[0], w_ED.shape[0]
