@@ -42,6 +42,8 @@ def _logits(x_TD: Tensor, w_ED: Tensor) -> Tensor:
     dtype = router_dtype(x_TD.dtype)
     if x_TD.dtype == dtype:  # (one product with autograd and without: the same logits)
         return F.linear(x_TD, w_ED.to(dtype))
+    if torch.compiler.is_compiling():  # traced: plain ops (the kernels and scratch memory are
+        return F.linear(x_TD.to(dtype), w_ED.to(dtype))  # eager-mode choices, which dynamo can't trace)
     if torch.is_grad_enabled() and (x_TD.requires_grad or w_ED.requires_grad):
         return _WidenedLogits.apply(x_TD, w_ED)
     return _widened_linear(x_TD, w_ED, dtype)

@@ -459,15 +459,20 @@ def test_autocast_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compile_fullgraph_dynamic_over_token_counts(dtype):
-    """The whole layer traces as one graph over token counts; bf16 too, whose decode-sized
-    router and forward run on moe_ffn's kernels in eager mode (router._FEW_TOKENS: not traced)."""
+    """The whole layer, forward and backward, traces as one graph over token counts; bf16
+    too, whose router runs on moe_ffn's kernels and scratch memory in eager mode and on plain
+    ops when traced (a bf16 layer with autograd failed to trace before 2026-12-07)."""
     torch.manual_seed(0)
     moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2, num_shared_experts=1).to(dtype)
     compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend="eager")
+    tol = {} if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     for T in (3, 8, 21):
-        x = torch.randn(T, 16).to(dtype)
-        tol = {} if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
-        torch.testing.assert_close(compiled(x), moe(x), **tol)
+        x = torch.randn(T, 16).to(dtype).requires_grad_()
+        y, y_eager = compiled(x), moe(x)
+        torch.testing.assert_close(y, y_eager, **tol)
+        (g,) = torch.autograd.grad(y.float().square().sum(), x)
+        (g_eager,) = torch.autograd.grad(y_eager.float().square().sum(), x)
+        torch.testing.assert_close(g, g_eager, **tol)
 
 
 def test_one_dropout_on_the_layer_output():
