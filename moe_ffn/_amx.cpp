@@ -1445,32 +1445,11 @@ extern "C" int moe_ffn_amx_routed_swiglu_blocks(const uint16_t* x, int64_t ldx, 
                                thread_num, num_threads);
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-
-namespace {
-
-// rows of g [rows, cols] (ld) scaled in place, row n by bf16(weight[n]), each product rounded to
-// bf16 as torch's bf16 mul rounds it (g.mul_(weight[:, None].to(bf16))); cols a multiple of 16.
-void scale_rows_bf16(uint16_t* g, int64_t ld, const float* weight, int64_t rows, int64_t cols) {
-  for (int64_t n = 0; n < rows; ++n) {
-    const __m512 w = widened(to_bf16(_mm512_set1_ps(weight[n])));
-    uint16_t* row = g + n * ld;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 v = widened(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), to_bf16(_mm512_mul_ps(v, w)));
-    }
-  }
-}
-
-}  // namespace
-
-#pragma GCC pop_options
-
 // A routed SwiGLU layer's bf16 backward over one group of blocks the AMX kernels take, in one
 // call: g = the output gradient's rows g_out[token[n]] (gathered into g [rows, dim]), da = g·w2_e
 // (moe_ffn_amx_product_blocks), a, dh and dweight from h and da (moe_ffn_amx_swiglu_backward_bf16:
-// dweight [rows] float32, da scaled by weight inside it), g scaled by bf16(weight[n]) in place,
+// dweight [rows] float32, da scaled by weight inside it), g scaled by bf16(weight[n]) in place
+// (scale_rows_bf16, _bf16x16.h),
 // w2's gradient gᵀ·a and w1's dhᵀ·x[token] (moe_ffn_amx_weight_grad_blocks, the blocks' table
 // flags saying which add to what the gradient holds), dx = dh·w1_e [rows, dim]
 // (moe_ffn_amx_product_blocks), and grad_x's bf16 rows = Σ dx[n] over each token's rows
@@ -1498,7 +1477,7 @@ extern "C" int moe_ffn_amx_routed_swiglu_backward_blocks(
   if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, a, features, dh, width, dweight, rows, features,
                                        threads, parallel, thread_num, num_threads) != 0)
     return -1;
-  scale_rows_bf16(g, dim, weight, rows, dim);
+  scale_rows_bf16(g, dim, g, dim, weight, rows, dim);
   if (moe_ffn_amx_weight_grad_blocks(g, dim, a, features, nullptr, rows, grad_w2, experts, gw2_expert, ldgw2, blocks,
                                      count, dim, features, threads, parallel, thread_num, num_threads) != 0)
     return -1;

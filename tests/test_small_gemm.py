@@ -1518,6 +1518,8 @@ def test_layer_backward_takes_few_row_gradients_with_the_same_bits(monkeypatch, 
     few_row_gradients called and taking blocks, every gradient bit for bit what the two calls
     give with it switched off."""
     _needs_one_row_gradients(dtype)
+    # (the loop's calls: the bf16 one-call backward, which makes them in one, is tested below)
+    monkeypatch.setattr(_small_gemm, "bf16_routed_swiglu_backward_blocks", lambda *a: False)
     torch.manual_seed(5)
     layer = MoE(dim=128, hidden_dim=128, num_experts=4, top_k=2).to(dtype)
     x, g = torch.randn(9, 128).to(dtype), torch.randn(9, 128).to(dtype)
@@ -2002,6 +2004,127 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
         real(x1, token + 5, weight, w1, w2, blocks, False)
 
 
+def _needs_native_bf16_backward():
+    _needs_kernel()
+    _needs_bf16_blocks()
+    if not _amx.swiglu_forward_available():
+        pytest.skip("the bf16 SwiGLU passes do not run here")
+
+
+def _native_bf16_backward_both_ways(monkeypatch, moe, x, g):
+    """(together, apart, ran): [y, x's gradient, each parameter's] of a bf16 layer's
+    forward+backward with bf16_routed_swiglu_backward_blocks as it is, and with it declining
+    (grouped._ffn_backward's loop), and what the call returned each time the first made it."""
+    real, ran = _small_gemm.bf16_routed_swiglu_backward_blocks, []
+
+    def step(one_call: bool):
+        monkeypatch.setattr(
+            _small_gemm, "bf16_routed_swiglu_backward_blocks",
+            (lambda *a: ran.append(real(*a)) or ran[-1]) if one_call else (lambda *a: False),
+        )
+        leaf = x.clone().requires_grad_()
+        y = moe(leaf)
+        return [y, *torch.autograd.grad((y.float() * g.float()).sum(), [leaf, *moe.parameters()])]
+
+    return step(True), step(False), ran
+
+
+@pytest.mark.parametrize("D, F, E, K, T", [
+    (64, 48, 8, 2, 1), (64, 64, 16, 4, 5), (40, 24, 6, 2, 7), (1024, 512, 4, 2, 1), (1024, 512, 3, 2, 2),
+], ids=["one-row", "1-3-rows", "up-to-6-rows-tails", "streamed", "streamed-2-rows"])
+def test_native_bf16_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, D, F, E, K, T):
+    """A bf16 layer computing in bf16 on the AVX512-BF16 kernels (no AMX): its decode-sized
+    backward in one call (bf16_routed_swiglu_backward_blocks, blocks of 1 to 6 rows) gives the
+    output and the gradients of x, the router and both expert weights bit for bit as
+    grouped._ffn_backward's loop (its one-pass gradients through each weight, the SwiGLU passes,
+    the slot sum) with that call switched off; the call ran; the gradients within the float64
+    per-token loop's bound (a few roundings to bf16 of the largest terms). D = 40: rows past
+    whole vectors of 16 (the scaling's and the gathers' tails); 1024 × 512: streamed gradients."""
+    _needs_native_bf16_backward()
+    torch.manual_seed(10 * T + K)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    picked = (x.double() @ moe.router.weight.double().t()).topk(K, dim=-1).indices.flatten().bincount(minlength=E)
+    assert picked.max() <= 6 and (T < 5 or picked.max() >= 2)  # (the blocks this case means to have)
+    together, apart, ran = _native_bf16_backward_both_ways(monkeypatch, moe, x, g)
+    assert ran == [True]
+    names = ["y", "x", *(name for name, _ in moe.named_parameters())]
+    for name, a, b in zip(names, together, apart):
+        bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+        assert a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits)), name
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
+    got = dict(zip(names, together))
+    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
+        scale = max(1.0, float(b.abs().max()))
+        assert float((got[name].double() - b).abs().max()) <= 6 * 2.0**-8 * scale, name
+
+
+@pytest.mark.parametrize("T", [1, 4], ids=["one-row", "more-rows"])
+@pytest.mark.parametrize("where", ["grad", "input"])
+def test_native_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T, where):
+    """A NaN in the output gradient or in the input (a negative one of the widest payload)
+    through the one-call bf16 backward on the AVX512-BF16 kernels: every gradient bit for bit
+    the loop's with the call switched off, NaN where the float64 loop has one (output gradient),
+    the expert weights' NaNs 0x7FC0 and some entries finite."""
+    _needs_native_bf16_backward()
+    D, F, E, K = 128, 64, 4, 2
+    torch.manual_seed(T)
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
+    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    special = g if where == "grad" else x
+    special.view(torch.int16)[0, 3] = -1  # 0xFFFF
+    assert special[0, 3].isnan()
+    (_, *together), (_, *apart), ran = _native_bf16_backward_both_ways(monkeypatch, moe, x, g)
+    assert ran == [True]
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
+    for name, a, b, r in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), together, apart, ref):
+        bits = a.view(torch.int16)
+        assert torch.equal(bits, b.view(torch.int16)) and a.isnan().any(), name
+        if where == "grad":
+            assert torch.equal(a.isnan(), r.isnan()), name
+        if name.startswith("experts"):
+            assert a.isfinite().any() and (bits[a.isnan()] == 0x7FC0).all(), name
+
+
+def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it_does_not_take():
+    """bf16_routed_swiglu_backward_blocks called directly: x's gradient zeros for the token
+    without rows, the experts without rows' weight gradients untouched; False (and where it
+    ran not, nothing claimed) for a block of 7 rows, an expert in two blocks, mixed dtypes,
+    float32, an odd D, a token out of range; a ValueError for an expert out of range."""
+    _needs_native_bf16_backward()
+    torch.manual_seed(8)
+    E, D, F, T, K = 6, 48, 32, 3, 2
+    x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F, dtype=torch.bfloat16)
+    h = torch.randn(token.shape[0], 2 * F).bfloat16()
+    g = torch.randn(T + 1, D).bfloat16()
+
+    def call(g, x, h, w1, w2, token, weight, blocks):
+        grads = torch.empty_like(x), torch.full_like(w1, 7), torch.full_like(w2, 7), torch.empty(token.shape[0])
+        return _small_gemm.bf16_routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks), grads
+
+    ok, (grad_x, grad_w1, grad_w2, _) = call(g, x, h, w1, w2, token, weight, blocks)
+    assert ok
+    assert (grad_x[T] == 0).all() and grad_x[:T].abs().sum() > 0
+    idle = sorted(set(range(E)) - set(expert.tolist()))
+    assert idle and (grad_w1[idle] == 7).all() and (grad_w2[idle] == 7).all()
+    busy = sorted(set(expert.tolist()))
+    assert (grad_w1[busy] != 7).any() and (grad_w2[busy] != 7).any()
+    many = 7
+    rows7 = (torch.zeros(many, dtype=torch.int64), torch.rand(many), [(0, 0, many)])
+    assert not call(g, x, torch.randn(many, 2 * F).bfloat16(), w1, w2, *rows7)[0]  # (7 rows: the loop's calls)
+    if len(blocks) > 1:
+        assert not call(g, x, h, w1, w2, token, weight, [(blocks[0][0], s, t) for _, s, t in blocks])[0]
+    assert not call(g, x, h, w1, w2.float(), token, weight, blocks)[0]  # mixed dtypes
+    assert not call(g.float(), x.float(), h.float(), w1.float(), w2.float(), token, weight, blocks)[0]
+    odd = routed_rows(T, K, E, D + 1, F, dtype=torch.bfloat16)
+    assert not call(torch.randn(T + 1, D + 1).bfloat16(), odd[0], h, odd[1], odd[2], odd[3], odd[5], odd[6])[0]
+    assert not call(g, x, h, w1, w2, torch.full_like(token, T + 1), weight, blocks)[0]
+    with pytest.raises(ValueError, match="do not fit"):
+        call(g, x, h, w1, w2, token, weight, [(E + i, s, t) for i, (_, s, t) in enumerate(blocks)])
+
+
 @pytest.mark.parametrize("T, E, D", [(1, 64, 1024), (3, 7, 37), (16, 8, 1000), (2, 1, 64)])
 def test_router_kernel_sums_exact_products_in_float32(T, E, D):
     """The router's products of a few bf16 tokens on one thread (router_logits, router_backward):
@@ -2099,6 +2222,7 @@ def test_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E
     from moe_ffn import _amx
 
     monkeypatch.setattr(_amx, "available", lambda: False)
+    monkeypatch.setattr(_small_gemm, "bf16_routed_swiglu_backward_blocks", lambda *a: False)  # (the loop's calls)
     D, F = 512, 64  # (w1 [128, 512]: whole panels of 256 columns a thread)
     torch.manual_seed(T + E)
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
