@@ -2283,63 +2283,67 @@ void widen_block_rows(const bf16_t* src, int64_t ld, float* dst, int64_t ldd, co
 
 }  // namespace
 
-// A routed SwiGLU layer's bf16 backward over one group of decode-sized blocks (1 to 6 rows,
-// each its own expert) in one call, on AVX512-BF16 CPUs without AMX: g = the output gradient's
-// rows g_out[token[n]] gathered, a = silu(gate)·up of h (moe_ffn_amx_swiglu_bf16), gw = g
-// scaled by bf16(weight[n]) (scale_rows_bf16), da = g·w2_e and w2's gradient gwᵀ·a in one pass
-// over w2 (one-row blocks: moe_ffn_avx512_one_row_gradients_bf16 from g and gw widened; 2 to 6
-// rows: moe_ffn_avx512_few_row_gradients_bf16), dh and dweight [rows] (float32) from h and da
-// scaled by weight (moe_ffn_amx_swiglu_backward_bf16), the rows x[token[n]] gathered, dx =
-// dh·w1_e and w1's gradient dhᵀ·x in one pass over w1 likewise, and grad_x's bf16 rows = Σ
-// dx[n] over each token's rows (moe_ffn_slot_sum_rows: every row written, zeros for a token
-// without rows). The calls grouped._ffn_backward makes one by one for such a group here, on the
-// same buffers in the same order: the same bits, one crossing from Python instead of about
-// fifteen calls and the Python around them. w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert /
-// w2_expert elements apart, rows ldw1 / ldw2), their gradients alike (written over for each
-// expert with rows; with stream1 / stream2 past the caches, as the one-pass entry points take
-// `stream`), grad_x [tokens, dim] contiguous. `work`: 64-byte-aligned scratch of rows·(4·dim +
-// 4F)·2 + rows·(2·dim + 2F)·4 + 640 bytes; `index` int64 [tokens + 1 + rows]. Returns 0, or -1
-// where a token is outside [0, tokens), a block does not fit, or a step declines (the gradients
-// may then hold part of the result: the caller computes them again).
+// A routed SwiGLU layer's bf16 backward over one group of small blocks (1 to
+// kOneCallBackwardMaxRows rows, each its own expert) in one call, on AVX512-BF16 CPUs without
+// AMX: g = the output gradient's rows g_out[token[n]] gathered, a = silu(gate)·up of h
+// (moe_ffn_amx_swiglu_bf16), gw = g scaled by bf16(weight[n]) (scale_rows_bf16), da = g·w2_e and
+// w2's gradient gwᵀ·a in one pass over w2 (one-row blocks: moe_ffn_avx512_one_row_gradients_bf16
+// from g and gw widened; 2 to 6 rows: moe_ffn_avx512_few_row_gradients_bf16; larger ones: the
+// packed input gradient), dh and dweight [rows] (float32) from h and da scaled by weight
+// (moe_ffn_amx_swiglu_backward_bf16; it makes a where no block takes one pass), the larger
+// blocks' w2 gradient (packed pairs), the rows x[token[n]] gathered, dx = dh·w1_e and w1's
+// gradient dhᵀ·x likewise, and grad_x's bf16 rows = Σ dx[n] over each token's rows
+// (moe_ffn_slot_sum_rows: every row written, zeros for a token without rows). The calls
+// grouped._ffn_backward makes one by one for such a group here, on the same buffers in the same
+// order: the same bits, one crossing from Python instead of up to twenty calls and the Python
+// around them. w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert / w2_expert elements apart,
+// rows ldw1 / ldw2), their gradients alike (written over for each expert with rows; with stream1
+// / stream2 past the caches, as the weight gradients' entry points take `stream`), grad_x
+// [tokens, dim] contiguous, dim even. Scratch: rows_d bf16 [4, rows, dim] (g, gw, the gathered
+// x, dx), rows_h bf16 [rows, 4F] (a, da, dh), wide_d float32 [2, rows, dim] and wide_h
+// [rows, 2F] (g, gw and dh widened; null where no block has one row); `index` int64 [tokens + 1
+// + rows]. Returns 0, or -1 where a
+// token is outside [0, tokens), a block does not fit, or a step declines (the gradients may
+// then hold part of the result: the caller computes them again).
+constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= BF16_ONE_CALL_BACKWARD_MAX_ROWS in _small_gemm.py)
+
 extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
     const bf16_t* g_out, int64_t ldg_out, const bf16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
     const float* weight, const bf16_t* h, int64_t ldh, const bf16_t* w1, int64_t w1_expert, int64_t ldw1,
     const bf16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
     const int64_t* blocks, int64_t count, int64_t rows, bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
     bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, bf16_t* grad_x,
-    void* work, int64_t* index, int threads, void* parallel, void* thread_num, void* num_threads) {
+    bf16_t* rows_d, bf16_t* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
+    void* thread_num, void* num_threads) {
   if (!bf16_ready() || rows < 1 || tokens < 1 || dim < 2 || dim % 2 || features < 1 || count < 1 || threads < 1)
     return -1;
   for (int64_t n = 0; n < rows; ++n)
     if (token[n] < 0 || token[n] >= tokens) return -1;
   // the table split as grouped._one_pass_gradients splits it: one-row blocks, blocks of 2 to 6
-  std::vector<int64_t> one_table, few_table;
+  // the table split as the loop splits it: blocks of one row and of 2 to 6 (one pass over the
+  // weight for both gradients, grouped._one_pass_gradients), and larger ones (the packed input
+  // and weight gradients' entry points, grouped._input_grad_blocks / _weight_grad_blocks)
+  std::vector<int64_t> tables[3];
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = blocks[4 * i + 2] - blocks[4 * i + 1];
-    if (n < 1 || n > 6 || blocks[4 * i + 3] != 0) return -1;
-    (n == 1 ? one_table : few_table).insert((n == 1 ? one_table : few_table).end(), blocks + 4 * i, blocks + 4 * i + 4);
+    if (n < 1 || n > kOneCallBackwardMaxRows || blocks[4 * i + 3] != 0) return -1;
+    std::vector<int64_t>& table = tables[n == 1 ? 0 : n <= 6 ? 1 : 2];
+    table.insert(table.end(), blocks + 4 * i, blocks + 4 * i + 4);
   }
-  const int64_t *one = one_table.data(), *few = few_table.data();
-  const int64_t ones = int64_t(one_table.size()) / 4, fews = int64_t(few_table.size()) / 4;
-  const int64_t width = 2 * features;
-  char* at = static_cast<char*>(work);
-  const auto take = [&](int64_t bytes) {
-    void* p = at;
-    at += (bytes + 63) / 64 * 64;
-    return p;
-  };
-  bf16_t* g = static_cast<bf16_t*>(take(2 * rows * dim));
-  bf16_t* gw = static_cast<bf16_t*>(take(2 * rows * dim));
-  bf16_t* xg = static_cast<bf16_t*>(take(2 * rows * dim));
-  bf16_t* dx = static_cast<bf16_t*>(take(2 * rows * dim));
-  bf16_t* a = static_cast<bf16_t*>(take(2 * rows * features));
-  bf16_t* da = static_cast<bf16_t*>(take(2 * rows * features));
-  bf16_t* dh = static_cast<bf16_t*>(take(2 * rows * width));
-  float* g32 = static_cast<float*>(take(4 * rows * dim));
-  float* gw32 = static_cast<float*>(take(4 * rows * dim));
-  float* dh32 = static_cast<float*>(take(4 * rows * width));
+  const int64_t *one = tables[0].data(), *few = tables[1].data(), *big = tables[2].data();
+  const int64_t ones = int64_t(tables[0].size()) / 4, fews = int64_t(tables[1].size()) / 4;
+  const int64_t bigs = int64_t(tables[2].size()) / 4;
+  if (ones && (wide_d == nullptr || wide_h == nullptr)) return -1;
+  const int64_t width = 2 * features, rd = rows * dim;
+  bf16_t *g = rows_d, *gw = rows_d + rd, *xg = rows_d + 2 * rd, *dx = rows_d + 3 * rd;
+  bf16_t *a = rows_h, *da = rows_h + rows * features, *dh = rows_h + 2 * rows * features;
+  float *g32 = wide_d, *gw32 = wide_d + rd, *dh32 = wide_h;
   for (int64_t n = 0; n < rows; ++n) std::memcpy(g + n * dim, g_out + token[n] * ldg_out, sizeof(bf16_t) * dim);
-  if (moe_ffn_amx_swiglu_bf16(h, ldh, a, features, rows, features, threads, parallel, thread_num, num_threads) != 0)
+  // a made first where a one-pass block needs it with da (else by the SwiGLU backward pass, as
+  // the loop makes it)
+  const bool one_pass = ones + fews > 0;
+  if (one_pass &&
+      moe_ffn_amx_swiglu_bf16(h, ldh, a, features, rows, features, threads, parallel, thread_num, num_threads) != 0)
     return -1;
   scale_rows_bf16(g, dim, gw, dim, weight, rows, dim);
   // the down projection: da = g·w2_e, w2's gradient gwᵀ·a
@@ -2355,8 +2359,16 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
                                        grad_w2, gw2_expert, ldgw2, few, fews, dim, features, stream2, threads, parallel,
                                        thread_num, num_threads) != 0)
     return -1;
-  if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, nullptr, features, dh, width, dweight, rows,
-                                       features, threads, parallel, thread_num, num_threads) != 0)
+  if (bigs && moe_ffn_avx512_input_grad_blocks_bf16_packed(g, dim, w2, experts, w2_expert, ldw2, da, features, big, bigs,
+                                                           dim, features, threads, parallel, thread_num,
+                                                           num_threads) != 0)
+    return -1;
+  if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, one_pass ? nullptr : a, features, dh, width,
+                                       dweight, rows, features, threads, parallel, thread_num, num_threads) != 0)
+    return -1;
+  if (bigs && moe_ffn_avx512_weight_grad_blocks_bf16_packed(gw, dim, a, features, grad_w2, experts, gw2_expert, ldgw2,
+                                                            big, bigs, dim, features, stream2, threads, parallel,
+                                                            thread_num, num_threads) != 0)
     return -1;
   // the up projection: dx = dh·w1_e, w1's gradient dhᵀ·x[token]
   for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(bf16_t) * dim);
@@ -2370,6 +2382,13 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
   if (fews && few_row_gradients_blocks(dh, width, dh, width, xg, dim, w1, experts, w1_expert, ldw1, dx, dim, grad_w1,
                                        gw1_expert, ldgw1, few, fews, width, dim, stream1, threads, parallel, thread_num,
                                        num_threads) != 0)
+    return -1;
+  if (bigs && (moe_ffn_avx512_weight_grad_blocks_bf16_packed(dh, width, xg, dim, grad_w1, experts, gw1_expert, ldgw1,
+                                                             big, bigs, width, dim, stream1, threads, parallel,
+                                                             thread_num, num_threads) != 0 ||
+               moe_ffn_avx512_input_grad_blocks_bf16_packed(dh, width, w1, experts, w1_expert, ldw1, dx, dim, big,
+                                                            bigs, width, dim, threads, parallel, thread_num,
+                                                            num_threads) != 0))
     return -1;
   return moe_ffn_slot_sum_rows(grad_x, 1, dim, tokens, token, dx, 1, dim, nullptr, rows, dim, index, threads, parallel,
                                thread_num, num_threads);

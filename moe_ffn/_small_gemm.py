@@ -696,9 +696,18 @@ def _bf16_routed_swiglu_backward_entry_point():
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64,
-                   i64, ptr, i64, i64, ptr, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, c_int, ptr, ptr, ptr]
+                   i64, ptr, i64, i64, ptr, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr,
+                   ptr, ptr]
     fn.restype = c_int
     return fn
+
+
+# The one-call bf16 backward's limits: blocks of up to this many rows (= kOneCallBackwardMaxRows
+# in _avx512.cpp), and steps of up to BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS rows (its float32
+# scratch for the one-row blocks spans all rows; past decode-sized steps the calls' own time
+# outweighs what one call saves).
+BF16_ONE_CALL_BACKWARD_MAX_ROWS = 64
+BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS = 256
 
 
 def bf16_routed_swiglu_backward_blocks(
@@ -707,21 +716,24 @@ def bf16_routed_swiglu_backward_blocks(
     blocks: list[tuple[int, int, int]],
 ) -> bool:
     """The bf16 backward of `bf16_routed_swiglu_blocks`' forward for one group of blocks of 1 to
-    6 rows (each its own expert), in one call of the kernel on AVX512-BF16 CPUs without AMX
+    BF16_ONE_CALL_BACKWARD_MAX_ROWS rows (each its own expert; at most
+    BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS in all), in one call of the kernel on AVX512-BF16 CPUs
+    without AMX
     (`moe_ffn_avx512_routed_swiglu_backward_blocks_bf16`), writing every gradient whole: x's
     (grad_x_TD [T, D] bf16, each token's rows summed in float32 and rounded once, zeros for a
     token without rows), the two weights' (each expert with rows written over, the others left
     as they are), the combine weights' (grad_weight_N [N] float32). The calls grouped._ffn_backward
     makes one by one for such a group here (the gathers, `_amx.swiglu`, the scaling by the bf16
-    weights, `one_row_gradients` / `few_row_gradients` through w2, `_amx.swiglu_backward`, the
-    same through w1, `slot_sum_rows`) on the same kernels in the same order: the same bits. The
+    weights, `one_row_gradients` / `few_row_gradients` through w2 and `bf16_input_grad_blocks`
+    for larger blocks, `_amx.swiglu_backward`, `bf16_weight_grad_blocks`, the same through w1,
+    `slot_sum_rows`) on the same kernels in the same order: the same bits. The
     caller checks that the SwiGLU passes run here (`_amx.swiglu_forward_available`) and that the
     rows are summed token by token. Returns whether it ran; where it did not, the gradients may
     hold anything (the caller writes them again, whole)."""
     E, H, D = w1_EHD.shape
     N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
     tensors = (grad_x_TD, grad_w1_EHD, grad_w2_EDF, grad_out_TD, x_TD, h_NH, w1_EHD, w2_EDF)
-    least, most = FEW_ROW_GRADIENTS_ROWS[torch.bfloat16]
+    most = BF16_ONE_CALL_BACKWARD_MAX_ROWS
     if not (
         all(t.dtype == torch.bfloat16 for t in tensors) and all(t.stride(-1) == 1 for t in tensors)
         and x_TD.dim() == grad_out_TD.dim() == grad_x_TD.dim() == 2 and T > 0
@@ -731,15 +743,18 @@ def bf16_routed_swiglu_backward_blocks(
         and token_N.dtype == torch.int64 and token_N.is_contiguous() and routed_rows_fit(token_N, weight_N, blocks)
         and grad_weight_N.dtype == torch.float32 and grad_weight_N.shape == (N,) and grad_weight_N.is_contiguous()
         and all(0 < stop - start <= most for _, start, stop in blocks) and len({e for e, _, _ in blocks}) == len(blocks)
-        and _writable_rows(grad_x_TD)
+        and N <= BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS and _writable_rows(grad_x_TD)
     ):
         return False
     fn, kernel = _bf16_routed_swiglu_backward_entry_point(), _kernel_for((x_TD, grad_out_TD, h_NH), grad_x_TD)
     if fn is None or kernel is None:
         return False
     _check_blocks("bf16_routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
-    # g, gw, xg, dx [N, D], a, da [N, F], dh [N, H] bf16 and g, gw [N, D], dh [N, H] widened (see the kernel)
-    work = _memory.scratch(x_TD, (N * (4 * D + 2 * H) * 2 + N * (2 * D + H) * 4 + 640 + 63) // 4, dtype=torch.float32)
+    # g, gw, xg, dx [N, D] and a, da [N, F], dh [N, H] in bf16; g, gw and dh widened for blocks of one row
+    rows_D, rows_H = _memory.scratch(x_TD, 4, N, D), _memory.scratch(x_TD, N, 2 * H)
+    one_row = any(stop - start == 1 for _, start, stop in blocks)
+    wide_D = _memory.scratch(x_TD, 2, N, D, dtype=torch.float32) if one_row else None
+    wide_H = _memory.scratch(x_TD, N, H, dtype=torch.float32) if one_row else None
     index = torch.empty(T + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
     table, address, count = _block_table(blocks)
     status = fn(
@@ -749,7 +764,8 @@ def bf16_routed_swiglu_backward_blocks(
         grad_w1_EHD.data_ptr(), grad_w1_EHD.stride(0), grad_w1_EHD.stride(1),
         grad_w2_EDF.data_ptr(), grad_w2_EDF.stride(0), grad_w2_EDF.stride(1),
         int(_streamed_gradients(grad_w1_EHD)), int(_streamed_gradients(grad_w2_EDF)), grad_weight_N.data_ptr(),
-        grad_x_TD.data_ptr(), work.data_ptr(), index.data_ptr(), torch.get_num_threads(), *kernel[1],
+        grad_x_TD.data_ptr(), rows_D.data_ptr(), rows_H.data_ptr(), None if wide_D is None else wide_D.data_ptr(),
+        None if wide_H is None else wide_H.data_ptr(), index.data_ptr(), torch.get_num_threads(), *kernel[1],
     )
     return status == 0
 

@@ -2029,23 +2029,29 @@ def _native_bf16_backward_both_ways(monkeypatch, moe, x, g):
     return step(True), step(False), ran
 
 
-@pytest.mark.parametrize("D, F, E, K, T", [
-    (64, 48, 8, 2, 1), (64, 64, 16, 4, 5), (40, 24, 6, 2, 7), (1024, 512, 4, 2, 1), (1024, 512, 3, 2, 2),
-], ids=["one-row", "1-3-rows", "up-to-6-rows-tails", "streamed", "streamed-2-rows"])
-def test_native_bf16_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, D, F, E, K, T):
+@pytest.mark.parametrize("D, F, E, K, T, blocks_of", [
+    (64, 48, 8, 2, 1, "1"), (64, 64, 16, 4, 5, "1-6"), (40, 24, 6, 2, 7, "1-6"), (64, 64, 8, 2, 16, "1-6, 7+"),
+    (48, 32, 3, 2, 14, "7+"), (1024, 512, 4, 2, 1, "1"), (1024, 512, 3, 2, 2, "1-6"), (1024, 512, 3, 2, 12, "1-6, 7+"),
+], ids=["one-row", "1-3-rows", "up-to-6-rows-tails", "mixed", "7+-rows", "streamed", "streamed-2-rows", "streamed-mixed"])
+def test_native_bf16_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, D, F, E, K, T, blocks_of):
     """A bf16 layer computing in bf16 on the AVX512-BF16 kernels (no AMX): its decode-sized
-    backward in one call (bf16_routed_swiglu_backward_blocks, blocks of 1 to 6 rows) gives the
-    output and the gradients of x, the router and both expert weights bit for bit as
-    grouped._ffn_backward's loop (its one-pass gradients through each weight, the SwiGLU passes,
-    the slot sum) with that call switched off; the call ran; the gradients within the float64
-    per-token loop's bound (a few roundings to bf16 of the largest terms). D = 40: rows past
-    whole vectors of 16 (the scaling's and the gathers' tails); 1024 × 512: streamed gradients."""
+    backward in one call (bf16_routed_swiglu_backward_blocks) gives the output and the gradients
+    of x, the router and both expert weights bit for bit as grouped._ffn_backward's loop with
+    that call switched off (blocks of 1 to 6 rows: the one-pass gradients through each weight;
+    7+: the packed input and weight gradients, and a made by the SwiGLU backward pass where no
+    block takes one pass; the SwiGLU passes, the slot sum); the call ran; the gradients within
+    the float64 per-token loop's bound (a few roundings to bf16 of the largest terms). D = 40 /
+    48: rows past whole vectors of 16 / 32 (the scaling's and the gathers' tails); 1024 × 512:
+    streamed gradients."""
     _needs_native_bf16_backward()
     torch.manual_seed(10 * T + K)
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
     x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
     picked = (x.double() @ moe.router.weight.double().t()).topk(K, dim=-1).indices.flatten().bincount(minlength=E)
-    assert picked.max() <= 6 and (T < 5 or picked.max() >= 2)  # (the blocks this case means to have)
+    sizes = set(picked[picked > 0].tolist())
+    kinds = ", ".join(k for k, there in (
+        ("1", sizes == {1}), ("1-6", max(sizes) > 1 and min(sizes) <= 6), ("7+", max(sizes) > 6)) if there)
+    assert kinds == blocks_of  # (the blocks this case means to have)
     together, apart, ran = _native_bf16_backward_both_ways(monkeypatch, moe, x, g)
     assert ran == [True]
     names = ["y", "x", *(name for name, _ in moe.named_parameters())]
@@ -2090,9 +2096,10 @@ def test_native_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T,
 
 def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it_does_not_take():
     """bf16_routed_swiglu_backward_blocks called directly: x's gradient zeros for the token
-    without rows, the experts without rows' weight gradients untouched; False (and where it
-    ran not, nothing claimed) for a block of 7 rows, an expert in two blocks, mixed dtypes,
-    float32, an odd D, a token out of range; a ValueError for an expert out of range."""
+    without rows, the experts without rows' weight gradients untouched; False for a block past
+    BF16_ONE_CALL_BACKWARD_MAX_ROWS rows, a step past BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS, an
+    expert in two blocks, mixed dtypes, float32, an odd D, a token out of range; a ValueError
+    for an expert out of range."""
     _needs_native_bf16_backward()
     torch.manual_seed(8)
     E, D, F, T, K = 6, 48, 32, 3, 2
@@ -2111,9 +2118,18 @@ def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it
     assert idle and (grad_w1[idle] == 7).all() and (grad_w2[idle] == 7).all()
     busy = sorted(set(expert.tolist()))
     assert (grad_w1[busy] != 7).any() and (grad_w2[busy] != 7).any()
-    many = 7
-    rows7 = (torch.zeros(many, dtype=torch.int64), torch.rand(many), [(0, 0, many)])
-    assert not call(g, x, torch.randn(many, 2 * F).bfloat16(), w1, w2, *rows7)[0]  # (7 rows: the loop's calls)
+    def one_block(rows):  # h, token, weight and the table of one block of `rows` rows (all token 0's)
+        return torch.randn(rows, 2 * F).bfloat16(), torch.zeros(rows, dtype=torch.int64), torch.rand(rows), [(0, 0, rows)]
+
+    most = _small_gemm.BF16_ONE_CALL_BACKWARD_MAX_ROWS
+    h1, t1, w1_, b1 = one_block(most)
+    assert call(g, x, h1, w1, w2, t1, w1_, b1)[0]
+    h1, t1, w1_, b1 = one_block(most + 1)
+    assert not call(g, x, h1, w1, w2, t1, w1_, b1)[0]
+    step = _small_gemm.BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS + 1
+    h1, t1, w1_ = torch.randn(step, 2 * F).bfloat16(), torch.zeros(step, dtype=torch.int64), torch.rand(step)
+    spread = [(e, e * step // E, (e + 1) * step // E) for e in range(E)]  # (blocks of ~43 rows)
+    assert not call(g, x, h1, w1, w2, t1, w1_, spread)[0]
     if len(blocks) > 1:
         assert not call(g, x, h, w1, w2, token, weight, [(blocks[0][0], s, t) for _, s, t in blocks])[0]
     assert not call(g, x, h, w1, w2.float(), token, weight, blocks)[0]  # mixed dtypes
