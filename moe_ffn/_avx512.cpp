@@ -2265,6 +2265,12 @@ extern "C" int moe_ffn_amx_swiglu_backward_bf16(const uint16_t* h, int64_t ldh, 
                                                 const float* weight, uint16_t* a, int64_t lda, uint16_t* dh,
                                                 int64_t lddh, float* dweight, int64_t rows, int64_t features,
                                                 int threads, void* parallel, void* thread_num, void* num_threads);
+extern "C" int moe_ffn_swiglu_f32(const float* h, int64_t ldh, float* a, int64_t lda, int64_t rows, int64_t features,
+                                  int round_bf16, int threads, void* parallel, void* thread_num, void* num_threads);
+extern "C" int moe_ffn_swiglu_backward_f32(const float* h, int64_t ldh, const float* da, int64_t ldda,
+                                           const float* weight, float* a, int64_t lda, float* dh, int64_t lddh,
+                                           float* dweight, int64_t rows, int64_t features, int round_bf16,
+                                           int threads, void* parallel, void* thread_num, void* num_threads);
 
 namespace {
 
@@ -2281,75 +2287,93 @@ void widen_block_rows(const bf16_t* src, int64_t ld, float* dst, int64_t ldd, co
   }
 }
 
-}  // namespace
+constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= ONE_CALL_BACKWARD_MAX_ROWS in _small_gemm.py)
 
-// A routed SwiGLU layer's bf16 backward over one group of small blocks (1 to
-// kOneCallBackwardMaxRows rows, each its own expert) in one call, on AVX512-BF16 CPUs without
-// AMX: g = the output gradient's rows g_out[token[n]] gathered, a = silu(gate)·up of h
-// (moe_ffn_amx_swiglu_bf16), gw = g scaled by bf16(weight[n]) (scale_rows_bf16), da = g·w2_e and
-// w2's gradient gwᵀ·a in one pass over w2 (one-row blocks: moe_ffn_avx512_one_row_gradients_bf16
-// from g and gw widened; 2 to 6 rows: moe_ffn_avx512_few_row_gradients_bf16; larger ones: the
-// packed input gradient), dh and dweight [rows] (float32) from h and da scaled by weight
-// (moe_ffn_amx_swiglu_backward_bf16; it makes a where no block takes one pass), the larger
-// blocks' w2 gradient (packed pairs), the rows x[token[n]] gathered, dx = dh·w1_e and w1's
-// gradient dhᵀ·x likewise, and grad_x's bf16 rows = Σ dx[n] over each token's rows
-// (moe_ffn_slot_sum_rows: every row written, zeros for a token without rows). The calls
-// grouped._ffn_backward makes one by one for such a group here, on the same buffers in the same
-// order: the same bits, one crossing from Python instead of up to twenty calls and the Python
-// around them. w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert / w2_expert elements apart,
-// rows ldw1 / ldw2), their gradients alike (written over for each expert with rows; with stream1
-// / stream2 past the caches, as the weight gradients' entry points take `stream`), grad_x
-// [tokens, dim] contiguous, dim even. Scratch: rows_d bf16 [4, rows, dim] (g, gw, the gathered
-// x, dx), rows_h bf16 [rows, 4F] (a, da, dh), wide_d float32 [2, rows, dim] and wide_h
-// [rows, 2F] (g, gw and dh widened; null where no block has one row); `index` int64 [tokens + 1
-// + rows]. Returns 0, or -1 where a
-// token is outside [0, tokens), a block does not fit, or a step declines (the gradients may
-// then hold part of the result: the caller computes them again).
-constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= BF16_ONE_CALL_BACKWARD_MAX_ROWS in _small_gemm.py)
-
-extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
-    const bf16_t* g_out, int64_t ldg_out, const bf16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
-    const float* weight, const bf16_t* h, int64_t ldh, const bf16_t* w1, int64_t w1_expert, int64_t ldw1,
-    const bf16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
-    const int64_t* blocks, int64_t count, int64_t rows, bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
-    bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, bf16_t* grad_x,
-    bf16_t* rows_d, bf16_t* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
-    void* thread_num, void* num_threads) {
+// A routed SwiGLU layer's backward over one group of small blocks (each its own expert) in one
+// call, on the AVX512-BF16 CPUs' kernels (no AMX): g = the output gradient's rows
+// g_out[token[n]] gathered, a = silu(gate)·up of h, gw = g scaled by weight[n] (bf16: by
+// bf16(weight[n]), each product rounded to bf16, scale_rows_bf16), da = g·w2_e and w2's
+// gradient gwᵀ·a in one pass over w2 (one-row blocks: one_row_gradients_blocks, bf16 g and gw
+// widened first; blocks of 2 to 6 rows, float32 2 to 4: few_row_gradients_blocks; bf16 blocks
+// of 7 to kOneCallBackwardMaxRows: the packed input gradient), dh and dweight [rows] (float32)
+// from h and da scaled by weight (the SwiGLU backward pass; it makes a where no block takes one
+// pass), the larger blocks' w2 gradient (packed pairs), the rows x[token[n]] gathered, dx =
+// dh·w1_e and w1's gradient dhᵀ·x likewise, and grad_x's rows = Σ dx[n] over each token's rows
+// (moe_ffn_slot_sum_rows: every row written, zeros for a token without rows; bf16 rounded once).
+// The calls grouped._ffn_backward makes one by one for such a group here, on the same buffers
+// in the same order: the same bits, one crossing from Python instead of up to twenty calls and
+// the Python around them. w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert / w2_expert
+// elements apart, rows ldw1 / ldw2), their gradients alike (written over for each expert with
+// rows; with stream1 / stream2 past the caches, as the weight gradients' entry points take
+// `stream`), grad_x [tokens, dim] contiguous, dim even. Scratch: rows_d [4, rows, dim] (g, gw,
+// the gathered x, dx) and rows_h [rows, 4F] (a, da, dh) in T, and for bf16 wide_d float32 [2,
+// rows, dim] and wide_h [rows, 2F] (g, gw and dh widened; null where no block has one row);
+// `index` int64 [tokens + 1 + rows]. Returns 0, or -1 where a token is outside [0, tokens), a
+// block does not fit, or a step declines (the gradients may then hold part of the result: the
+// caller computes them again).
+template <typename T>
+int routed_swiglu_backward_small(const T* g_out, int64_t ldg_out, const T* x, int64_t ldx, int64_t tokens,
+                                 const int64_t* token, const float* weight, const T* h, int64_t ldh, const T* w1,
+                                 int64_t w1_expert, int64_t ldw1, const T* w2, int64_t w2_expert, int64_t ldw2,
+                                 int64_t experts, int64_t dim, int64_t features, const int64_t* blocks, int64_t count,
+                                 int64_t rows, T* grad_w1, int64_t gw1_expert, int64_t ldgw1, T* grad_w2,
+                                 int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight,
+                                 T* grad_x, T* rows_d, T* rows_h, float* wide_d, float* wide_h, int64_t* index,
+                                 int threads, void* parallel, void* thread_num, void* num_threads) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+  constexpr int64_t kFewMost = kBf16 ? 6 : 4, kMost = kBf16 ? kOneCallBackwardMaxRows : kFewMost;
   if (!bf16_ready() || rows < 1 || tokens < 1 || dim < 2 || dim % 2 || features < 1 || count < 1 || threads < 1)
     return -1;
   for (int64_t n = 0; n < rows; ++n)
     if (token[n] < 0 || token[n] >= tokens) return -1;
-  // the table split as grouped._one_pass_gradients splits it: one-row blocks, blocks of 2 to 6
-  // the table split as the loop splits it: blocks of one row and of 2 to 6 (one pass over the
-  // weight for both gradients, grouped._one_pass_gradients), and larger ones (the packed input
-  // and weight gradients' entry points, grouped._input_grad_blocks / _weight_grad_blocks)
+  // the table split as the loop splits it: blocks of one row and a few (one pass over the
+  // weight for both gradients, grouped._one_pass_gradients), and larger bf16 ones (the packed
+  // input and weight gradients' entry points, grouped._input_grad_blocks / _weight_grad_blocks)
   std::vector<int64_t> tables[3];
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = blocks[4 * i + 2] - blocks[4 * i + 1];
-    if (n < 1 || n > kOneCallBackwardMaxRows || blocks[4 * i + 3] != 0) return -1;
-    std::vector<int64_t>& table = tables[n == 1 ? 0 : n <= 6 ? 1 : 2];
+    if (n < 1 || n > kMost || blocks[4 * i + 3] != 0) return -1;
+    std::vector<int64_t>& table = tables[n == 1 ? 0 : n <= kFewMost ? 1 : 2];
     table.insert(table.end(), blocks + 4 * i, blocks + 4 * i + 4);
   }
   const int64_t *one = tables[0].data(), *few = tables[1].data(), *big = tables[2].data();
   const int64_t ones = int64_t(tables[0].size()) / 4, fews = int64_t(tables[1].size()) / 4;
   const int64_t bigs = int64_t(tables[2].size()) / 4;
-  if (ones && (wide_d == nullptr || wide_h == nullptr)) return -1;
+  if (kBf16 && ones && (wide_d == nullptr || wide_h == nullptr)) return -1;
   const int64_t width = 2 * features, rd = rows * dim;
-  bf16_t *g = rows_d, *gw = rows_d + rd, *xg = rows_d + 2 * rd, *dx = rows_d + 3 * rd;
-  bf16_t *a = rows_h, *da = rows_h + rows * features, *dh = rows_h + 2 * rows * features;
-  float *g32 = wide_d, *gw32 = wide_d + rd, *dh32 = wide_h;
-  for (int64_t n = 0; n < rows; ++n) std::memcpy(g + n * dim, g_out + token[n] * ldg_out, sizeof(bf16_t) * dim);
+  T *g = rows_d, *gw = rows_d + rd, *xg = rows_d + 2 * rd, *dx = rows_d + 3 * rd;
+  T *a = rows_h, *da = rows_h + rows * features, *dh = rows_h + 2 * rows * features;
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(g + n * dim, g_out + token[n] * ldg_out, sizeof(T) * dim);
   // a made first where a one-pass block needs it with da (else by the SwiGLU backward pass, as
   // the loop makes it)
   const bool one_pass = ones + fews > 0;
-  if (one_pass &&
-      moe_ffn_amx_swiglu_bf16(h, ldh, a, features, rows, features, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  scale_rows_bf16(g, dim, gw, dim, weight, rows, dim);
+  if (one_pass) {
+    const int status = kBf16 ? moe_ffn_amx_swiglu_bf16(reinterpret_cast<const uint16_t*>(h), ldh,
+                                                       reinterpret_cast<uint16_t*>(a), features, rows, features,
+                                                       threads, parallel, thread_num, num_threads)
+                             : moe_ffn_swiglu_f32(reinterpret_cast<const float*>(h), ldh, reinterpret_cast<float*>(a),
+                                                  features, rows, features, 0, threads, parallel, thread_num,
+                                                  num_threads);
+    if (status != 0) return -1;
+  }
+  if constexpr (kBf16) {
+    scale_rows_bf16(g, dim, gw, dim, weight, rows, dim);
+  } else {
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = 0; c < dim; ++c) gw[n * dim + c] = g[n * dim + c] * weight[n];
+  }
+  // the one-row blocks' g and a as one_row_gradients_blocks reads them (float32)
+  const auto wide = [&](const T* src, int64_t ld, float* dst) -> const float* {
+    if constexpr (kBf16) {
+      widen_block_rows(src, ld, dst, ld, one, ones, ld);
+      return dst;
+    } else {
+      return src;
+    }
+  };
   // the down projection: da = g·w2_e, w2's gradient gwᵀ·a
   if (ones) {
-    widen_block_rows(g, dim, g32, dim, one, ones, dim);
-    widen_block_rows(gw, dim, gw32, dim, one, ones, dim);
+    const float *g32 = wide(g, dim, wide_d), *gw32 = wide(gw, dim, wide_d + rd);
     if (one_row_gradients_blocks(g32, dim, gw32, dim, a, features, w2, experts, w2_expert, ldw2, da, features, grad_w2,
                                  gw2_expert, ldgw2, one, ones, dim, features, stream2, threads, parallel, thread_num,
                                  num_threads) != 0)
@@ -2359,21 +2383,26 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
                                        grad_w2, gw2_expert, ldgw2, few, fews, dim, features, stream2, threads, parallel,
                                        thread_num, num_threads) != 0)
     return -1;
-  if (bigs && moe_ffn_avx512_input_grad_blocks_bf16_packed(g, dim, w2, experts, w2_expert, ldw2, da, features, big, bigs,
-                                                           dim, features, threads, parallel, thread_num,
-                                                           num_threads) != 0)
+  if constexpr (kBf16) {
+    if (bigs && moe_ffn_avx512_input_grad_blocks_bf16_packed(g, dim, w2, experts, w2_expert, ldw2, da, features, big,
+                                                             bigs, dim, features, threads, parallel, thread_num,
+                                                             num_threads) != 0)
+      return -1;
+    if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, one_pass ? nullptr : a, features, dh, width,
+                                         dweight, rows, features, threads, parallel, thread_num, num_threads) != 0)
+      return -1;
+    if (bigs && moe_ffn_avx512_weight_grad_blocks_bf16_packed(gw, dim, a, features, grad_w2, experts, gw2_expert,
+                                                              ldgw2, big, bigs, dim, features, stream2, threads,
+                                                              parallel, thread_num, num_threads) != 0)
+      return -1;
+  } else if (moe_ffn_swiglu_backward_f32(h, ldh, da, features, weight, nullptr, features, dh, width, dweight, rows,
+                                         features, 0, threads, parallel, thread_num, num_threads) != 0) {
     return -1;
-  if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, one_pass ? nullptr : a, features, dh, width,
-                                       dweight, rows, features, threads, parallel, thread_num, num_threads) != 0)
-    return -1;
-  if (bigs && moe_ffn_avx512_weight_grad_blocks_bf16_packed(gw, dim, a, features, grad_w2, experts, gw2_expert, ldgw2,
-                                                            big, bigs, dim, features, stream2, threads, parallel,
-                                                            thread_num, num_threads) != 0)
-    return -1;
+  }
   // the up projection: dx = dh·w1_e, w1's gradient dhᵀ·x[token]
-  for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(bf16_t) * dim);
+  for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(T) * dim);
   if (ones) {
-    widen_block_rows(dh, width, dh32, width, one, ones, width);
+    const float* dh32 = wide(dh, width, wide_h);
     if (one_row_gradients_blocks(dh32, width, dh32, width, xg, dim, w1, experts, w1_expert, ldw1, dx, dim, grad_w1,
                                  gw1_expert, ldgw1, one, ones, width, dim, stream1, threads, parallel, thread_num,
                                  num_threads) != 0)
@@ -2383,13 +2412,46 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
                                        gw1_expert, ldgw1, few, fews, width, dim, stream1, threads, parallel, thread_num,
                                        num_threads) != 0)
     return -1;
-  if (bigs && (moe_ffn_avx512_weight_grad_blocks_bf16_packed(dh, width, xg, dim, grad_w1, experts, gw1_expert, ldgw1,
-                                                             big, bigs, width, dim, stream1, threads, parallel,
-                                                             thread_num, num_threads) != 0 ||
-               moe_ffn_avx512_input_grad_blocks_bf16_packed(dh, width, w1, experts, w1_expert, ldw1, dx, dim, big,
-                                                            bigs, width, dim, threads, parallel, thread_num,
-                                                            num_threads) != 0))
-    return -1;
-  return moe_ffn_slot_sum_rows(grad_x, 1, dim, tokens, token, dx, 1, dim, nullptr, rows, dim, index, threads, parallel,
-                               thread_num, num_threads);
+  if constexpr (kBf16) {
+    if (bigs && (moe_ffn_avx512_weight_grad_blocks_bf16_packed(dh, width, xg, dim, grad_w1, experts, gw1_expert, ldgw1,
+                                                               big, bigs, width, dim, stream1, threads, parallel,
+                                                               thread_num, num_threads) != 0 ||
+                 moe_ffn_avx512_input_grad_blocks_bf16_packed(dh, width, w1, experts, w1_expert, ldw1, dx, dim, big,
+                                                              bigs, width, dim, threads, parallel, thread_num,
+                                                              num_threads) != 0))
+      return -1;
+  }
+  return moe_ffn_slot_sum_rows(grad_x, kBf16, dim, tokens, token, dx, kBf16, dim, nullptr, rows, dim, index, threads,
+                               parallel, thread_num, num_threads);
+}
+
+}  // namespace
+
+// The bf16 and float32 instances of routed_swiglu_backward_small (above).
+extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
+    const bf16_t* g_out, int64_t ldg_out, const bf16_t* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const bf16_t* h, int64_t ldh, const bf16_t* w1, int64_t w1_expert, int64_t ldw1,
+    const bf16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, bf16_t* grad_x,
+    bf16_t* rows_d, bf16_t* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
+    void* thread_num, void* num_threads) {
+  return routed_swiglu_backward_small(g_out, ldg_out, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
+                                      w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1, gw1_expert,
+                                      ldgw1, grad_w2, gw2_expert, ldgw2, stream1, stream2, dweight, grad_x, rows_d,
+                                      rows_h, wide_d, wide_h, index, threads, parallel, thread_num, num_threads);
+}
+
+extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_f32(
+    const float* g_out, int64_t ldg_out, const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const float* h, int64_t ldh, const float* w1, int64_t w1_expert, int64_t ldw1,
+    const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, float* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    float* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, float* grad_x,
+    float* rows_d, float* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
+    void* thread_num, void* num_threads) {
+  return routed_swiglu_backward_small(g_out, ldg_out, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
+                                      w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1, gw1_expert,
+                                      ldgw1, grad_w2, gw2_expert, ldgw2, stream1, stream2, dweight, grad_x, rows_d,
+                                      rows_h, wide_d, wide_h, index, threads, parallel, thread_num, num_threads);
 }

@@ -686,12 +686,14 @@ def bf16_routed_swiglu_blocks(
 
 
 @functools.lru_cache(maxsize=None)
-def _bf16_routed_swiglu_backward_entry_point():
-    """moe_ffn_avx512_routed_swiglu_backward_blocks_bf16 with its argument types where the bf16
-    blocks kernels run (`_bf16_blocks_entry_points`), else None."""
-    if _bf16_blocks_entry_points() is None or _few_row_gradients_entry_point(torch.bfloat16) is None:
+def _avx512_routed_swiglu_backward_entry_point(dtype: torch.dtype):
+    """moe_ffn_avx512_routed_swiglu_backward_blocks_bf16 / _f32 with its argument types where
+    its kernels run (bf16: the bf16 blocks kernels' CPUs; float32: where the few-row gradients'
+    float32 entry point is ready), else None."""
+    if _few_row_gradients_entry_point(dtype) is None or (dtype == torch.bfloat16 and _bf16_blocks_entry_points() is None):
         return None
-    fn = getattr(library(), "moe_ffn_avx512_routed_swiglu_backward_blocks_bf16", None)
+    name = "moe_ffn_avx512_routed_swiglu_backward_blocks_" + ("bf16" if dtype == torch.bfloat16 else "f32")
+    fn = getattr(library(), name, None)
     if fn is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -702,40 +704,46 @@ def _bf16_routed_swiglu_backward_entry_point():
     return fn
 
 
-# The one-call bf16 backward's limits: blocks of up to this many rows (= kOneCallBackwardMaxRows
-# in _avx512.cpp), and steps of up to BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS rows (its float32
-# scratch for the one-row blocks spans all rows; past decode-sized steps the calls' own time
-# outweighs what one call saves).
-BF16_ONE_CALL_BACKWARD_MAX_ROWS = 64
-BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS = 256
+# The one-call backward's limits: bf16 blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows (=
+# kOneCallBackwardMaxRows in _avx512.cpp; float32 ones of up to the few-row gradients' rows), in
+# steps of up to ONE_CALL_BACKWARD_MAX_STEP_ROWS rows (its bf16 float32 scratch for the one-row
+# blocks spans all rows; past decode-sized steps the calls' own time outweighs what one call
+# saves).
+ONE_CALL_BACKWARD_MAX_ROWS = 64
+ONE_CALL_BACKWARD_MAX_STEP_ROWS = 256
 
 
-def bf16_routed_swiglu_backward_blocks(
+def avx512_routed_swiglu_backward_blocks(
     grad_x_TD: Tensor, grad_w1_EHD: Tensor, grad_w2_EDF: Tensor, grad_weight_N: Tensor, grad_out_TD: Tensor,
     x_TD: Tensor, h_NH: Tensor, w1_EHD: Tensor, w2_EDF: Tensor, token_N: Tensor, weight_N: Tensor,
     blocks: list[tuple[int, int, int]],
 ) -> bool:
-    """The bf16 backward of `bf16_routed_swiglu_blocks`' forward for one group of blocks of 1 to
-    BF16_ONE_CALL_BACKWARD_MAX_ROWS rows (each its own expert; at most
-    BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS in all), in one call of the kernel on AVX512-BF16 CPUs
-    without AMX
-    (`moe_ffn_avx512_routed_swiglu_backward_blocks_bf16`), writing every gradient whole: x's
-    (grad_x_TD [T, D] bf16, each token's rows summed in float32 and rounded once, zeros for a
+    """The backward of a routed SwiGLU layer computing in its own dtype (bf16 or float32) for one
+    group of small blocks (each its own expert; at most ONE_CALL_BACKWARD_MAX_STEP_ROWS rows in
+    all), in one call of the kernel on AVX512-BF16 CPUs without AMX
+    (`moe_ffn_avx512_routed_swiglu_backward_blocks_bf16` / `_f32`), writing every gradient whole:
+    x's (grad_x_TD [T, D], each token's rows summed in float32, bf16 rounded once; zeros for a
     token without rows), the two weights' (each expert with rows written over, the others left
-    as they are), the combine weights' (grad_weight_N [N] float32). The calls grouped._ffn_backward
-    makes one by one for such a group here (the gathers, `_amx.swiglu`, the scaling by the bf16
-    weights, `one_row_gradients` / `few_row_gradients` through w2 and `bf16_input_grad_blocks`
-    for larger blocks, `_amx.swiglu_backward`, `bf16_weight_grad_blocks`, the same through w1,
-    `slot_sum_rows`) on the same kernels in the same order: the same bits. The
-    caller checks that the SwiGLU passes run here (`_amx.swiglu_forward_available`) and that the
-    rows are summed token by token. Returns whether it ran; where it did not, the gradients may
-    hold anything (the caller writes them again, whole)."""
+    as they are), the combine weights' (grad_weight_N [N] float32). The calls
+    grouped._ffn_backward makes one by one for such a group here (the gathers, the SwiGLU pass,
+    the scaling by the combine weights, `one_row_gradients` / `few_row_gradients` through w2 and
+    bf16's `bf16_input_grad_blocks` for larger blocks, the SwiGLU backward pass,
+    `bf16_weight_grad_blocks`, the same through w1, `slot_sum_rows`) on the same kernels in the
+    same order: the same bits. bf16: blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows; the caller
+    checks that the bf16 SwiGLU passes run here (`_amx.swiglu_forward_available`). float32:
+    blocks the few-row and one-row gradients take (up to FEW_ROW_GRADIENTS_ROWS rows, where the
+    float32 blocks kernels take them, I at least 64 a thread through both weights). The caller
+    checks that the rows are summed token by token. Returns whether it ran; where it did not,
+    the gradients may hold anything (the caller writes them again, whole)."""
     E, H, D = w1_EHD.shape
     N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
+    dtype = x_TD.dtype
     tensors = (grad_x_TD, grad_w1_EHD, grad_w2_EDF, grad_out_TD, x_TD, h_NH, w1_EHD, w2_EDF)
-    most = BF16_ONE_CALL_BACKWARD_MAX_ROWS
+    bf16 = dtype == torch.bfloat16
+    most = ONE_CALL_BACKWARD_MAX_ROWS if bf16 else FEW_ROW_GRADIENTS_ROWS[torch.float32][1]
     if not (
-        all(t.dtype == torch.bfloat16 for t in tensors) and all(t.stride(-1) == 1 for t in tensors)
+        dtype in (torch.bfloat16, torch.float32) and all(t.dtype == dtype for t in tensors)
+        and all(t.stride(-1) == 1 for t in tensors)
         and x_TD.dim() == grad_out_TD.dim() == grad_x_TD.dim() == 2 and T > 0
         and x_TD.shape == grad_out_TD.shape == grad_x_TD.shape == (T, D) and grad_x_TD.stride(0) == D
         and H % 2 == 0 and F > 0 and D % 2 == 0 and h_NH.shape == (N, H) and tuple(w2_EDF.shape) == (E, D, F)
@@ -743,18 +751,24 @@ def bf16_routed_swiglu_backward_blocks(
         and token_N.dtype == torch.int64 and token_N.is_contiguous() and routed_rows_fit(token_N, weight_N, blocks)
         and grad_weight_N.dtype == torch.float32 and grad_weight_N.shape == (N,) and grad_weight_N.is_contiguous()
         and all(0 < stop - start <= most for _, start, stop in blocks) and len({e for e, _, _ in blocks}) == len(blocks)
-        and N <= BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS and _writable_rows(grad_x_TD)
+        and N <= ONE_CALL_BACKWARD_MAX_STEP_ROWS and _writable_rows(grad_x_TD)
     ):
         return False
-    fn, kernel = _bf16_routed_swiglu_backward_entry_point(), _kernel_for((x_TD, grad_out_TD, h_NH), grad_x_TD)
+    one_row = any(stop - start == 1 for _, start, stop in blocks)
+    if not bf16 and (
+        _few_row_gradients_for(w1_EHD, blocks) is None or _few_row_gradients_for(w2_EDF, blocks) is None
+        or (one_row and _one_row_gradients_f32_entry_point() is None)
+    ):
+        return False  # (the loop's one-pass calls would not take every block)
+    fn, kernel = _avx512_routed_swiglu_backward_entry_point(dtype), _kernel_for((x_TD, grad_out_TD, h_NH), grad_x_TD)
     if fn is None or kernel is None:
         return False
-    _check_blocks("bf16_routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
-    # g, gw, xg, dx [N, D] and a, da [N, F], dh [N, H] in bf16; g, gw and dh widened for blocks of one row
+    _check_blocks("avx512_routed_swiglu_backward_blocks", blocks, N, E, f"w1 {tuple(w1_EHD.shape)}, {N} rows")
+    # g, gw, xg, dx [N, D] and a, da [N, F], dh [N, H]; bf16: g, gw and dh widened for blocks of one row
     rows_D, rows_H = _memory.scratch(x_TD, 4, N, D), _memory.scratch(x_TD, N, 2 * H)
-    one_row = any(stop - start == 1 for _, start, stop in blocks)
-    wide_D = _memory.scratch(x_TD, 2, N, D, dtype=torch.float32) if one_row else None
-    wide_H = _memory.scratch(x_TD, N, H, dtype=torch.float32) if one_row else None
+    wide = bf16 and one_row
+    wide_D = _memory.scratch(x_TD, 2, N, D, dtype=torch.float32) if wide else None
+    wide_H = _memory.scratch(x_TD, N, H, dtype=torch.float32) if wide else None
     index = torch.empty(T + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
     table, address, count = _block_table(blocks)
     status = fn(

@@ -1519,7 +1519,7 @@ def test_layer_backward_takes_few_row_gradients_with_the_same_bits(monkeypatch, 
     give with it switched off."""
     _needs_one_row_gradients(dtype)
     # (the loop's calls: the bf16 one-call backward, which makes them in one, is tested below)
-    monkeypatch.setattr(_small_gemm, "bf16_routed_swiglu_backward_blocks", lambda *a: False)
+    monkeypatch.setattr(_small_gemm, "avx512_routed_swiglu_backward_blocks", lambda *a: False)
     torch.manual_seed(5)
     layer = MoE(dim=128, hidden_dim=128, num_experts=4, top_k=2).to(dtype)
     x, g = torch.randn(9, 128).to(dtype), torch.randn(9, 128).to(dtype)
@@ -2004,22 +2004,22 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
         real(x1, token + 5, weight, w1, w2, blocks, False)
 
 
-def _needs_native_bf16_backward():
+def _needs_avx512_one_call_backward(dtype):
     _needs_kernel()
-    _needs_bf16_blocks()
-    if not _amx.swiglu_forward_available():
+    _needs_one_row_gradients(dtype)
+    if dtype == torch.bfloat16 and not _amx.swiglu_forward_available():
         pytest.skip("the bf16 SwiGLU passes do not run here")
 
 
-def _native_bf16_backward_both_ways(monkeypatch, moe, x, g):
-    """(together, apart, ran): [y, x's gradient, each parameter's] of a bf16 layer's
-    forward+backward with bf16_routed_swiglu_backward_blocks as it is, and with it declining
+def _avx512_backward_both_ways(monkeypatch, moe, x, g):
+    """(together, apart, ran): [y, x's gradient, each parameter's] of a layer's
+    forward+backward with avx512_routed_swiglu_backward_blocks as it is, and with it declining
     (grouped._ffn_backward's loop), and what the call returned each time the first made it."""
-    real, ran = _small_gemm.bf16_routed_swiglu_backward_blocks, []
+    real, ran = _small_gemm.avx512_routed_swiglu_backward_blocks, []
 
     def step(one_call: bool):
         monkeypatch.setattr(
-            _small_gemm, "bf16_routed_swiglu_backward_blocks",
+            _small_gemm, "avx512_routed_swiglu_backward_blocks",
             (lambda *a: ran.append(real(*a)) or ran[-1]) if one_call else (lambda *a: False),
         )
         leaf = x.clone().requires_grad_()
@@ -2029,30 +2029,38 @@ def _native_bf16_backward_both_ways(monkeypatch, moe, x, g):
     return step(True), step(False), ran
 
 
-@pytest.mark.parametrize("D, F, E, K, T, blocks_of", [
-    (64, 48, 8, 2, 1, "1"), (64, 64, 16, 4, 5, "1-6"), (40, 24, 6, 2, 7, "1-6"), (64, 64, 8, 2, 16, "1-6, 7+"),
-    (48, 32, 3, 2, 14, "7+"), (1024, 512, 4, 2, 1, "1"), (1024, 512, 3, 2, 2, "1-6"), (1024, 512, 3, 2, 12, "1-6, 7+"),
-], ids=["one-row", "1-3-rows", "up-to-6-rows-tails", "mixed", "7+-rows", "streamed", "streamed-2-rows", "streamed-mixed"])
-def test_native_bf16_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, D, F, E, K, T, blocks_of):
-    """A bf16 layer computing in bf16 on the AVX512-BF16 kernels (no AMX): its decode-sized
-    backward in one call (bf16_routed_swiglu_backward_blocks) gives the output and the gradients
-    of x, the router and both expert weights bit for bit as grouped._ffn_backward's loop with
-    that call switched off (blocks of 1 to 6 rows: the one-pass gradients through each weight;
-    7+: the packed input and weight gradients, and a made by the SwiGLU backward pass where no
-    block takes one pass; the SwiGLU passes, the slot sum); the call ran; the gradients within
-    the float64 per-token loop's bound (a few roundings to bf16 of the largest terms). D = 40 /
-    48: rows past whole vectors of 16 / 32 (the scaling's and the gathers' tails); 1024 × 512:
-    streamed gradients."""
-    _needs_native_bf16_backward()
+@pytest.mark.parametrize("dtype, D, F, E, K, T, blocks_of", [
+    (torch.bfloat16, 64, 48, 8, 2, 1, "1"), (torch.bfloat16, 64, 64, 16, 4, 5, "1-6"),
+    (torch.bfloat16, 40, 24, 6, 2, 7, "1-6"), (torch.bfloat16, 64, 64, 8, 2, 16, "1-6, 7+"),
+    (torch.bfloat16, 48, 32, 3, 2, 14, "7+"), (torch.bfloat16, 1024, 512, 4, 2, 1, "1"),
+    (torch.bfloat16, 1024, 512, 3, 2, 2, "1-6"), (torch.bfloat16, 1024, 512, 3, 2, 12, "1-6, 7+"),
+    (torch.float32, 128, 128, 8, 2, 1, "1"), (torch.float32, 256, 128, 12, 4, 5, "1-6"),
+    (torch.float32, 1024, 512, 4, 2, 1, "1"), (torch.float32, 1024, 512, 5, 2, 4, "1-6"),
+], ids=[
+    "bf16-one-row", "bf16-1-3-rows", "bf16-up-to-6-rows-tails", "bf16-mixed", "bf16-7+-rows", "bf16-streamed",
+    "bf16-streamed-2-rows", "bf16-streamed-mixed", "fp32-one-row", "fp32-1-4-rows", "fp32-streamed",
+    "fp32-streamed-1-4-rows",
+])
+def test_avx512_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, dtype, D, F, E, K, T, blocks_of):
+    """A layer computing in its own dtype on the AVX512-BF16 CPUs' kernels (no AMX): its
+    decode-sized backward in one call (avx512_routed_swiglu_backward_blocks) gives the output
+    and the gradients of x, the router and both expert weights bit for bit as
+    grouped._ffn_backward's loop with that call switched off (blocks of 1 to 6 rows, float32 1
+    to 4: the one-pass gradients through each weight; bf16 7+: the packed input and weight
+    gradients, and a made by the SwiGLU backward pass where no block takes one pass; the SwiGLU
+    passes, the slot sum); the call ran; the gradients within the float64 per-token loop's bound
+    (bf16: a few roundings to bf16 of the largest terms). D = 40 / 48: rows past whole vectors
+    of 16 / 32 (the scaling's and the gathers' tails); 1024 × 512: streamed gradients."""
+    _needs_avx512_one_call_backward(dtype)
     torch.manual_seed(10 * T + K)
-    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
-    x, g = torch.randn(T, D).bfloat16(), torch.randn(T, D).bfloat16()
+    moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
+    x, g = torch.randn(T, D).to(dtype), torch.randn(T, D).to(dtype)
     picked = (x.double() @ moe.router.weight.double().t()).topk(K, dim=-1).indices.flatten().bincount(minlength=E)
     sizes = set(picked[picked > 0].tolist())
     kinds = ", ".join(k for k, there in (
         ("1", sizes == {1}), ("1-6", max(sizes) > 1 and min(sizes) <= 6), ("7+", max(sizes) > 6)) if there)
-    assert kinds == blocks_of  # (the blocks this case means to have)
-    together, apart, ran = _native_bf16_backward_both_ways(monkeypatch, moe, x, g)
+    assert kinds == blocks_of and (dtype == torch.bfloat16 or max(sizes) <= 4)  # (the blocks this case means to have)
+    together, apart, ran = _avx512_backward_both_ways(monkeypatch, moe, x, g)
     assert ran == [True]
     names = ["y", "x", *(name for name, _ in moe.named_parameters())]
     for name, a, b in zip(names, together, apart):
@@ -2063,17 +2071,18 @@ def test_native_bf16_layer_backward_in_one_call_is_the_loops_and_matches_float64
     got = dict(zip(names, together))
     for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
         scale = max(1.0, float(b.abs().max()))
-        assert float((got[name].double() - b).abs().max()) <= 6 * 2.0**-8 * scale, name
+        bound = 6 * 2.0**-8 * scale if dtype == torch.bfloat16 else 2e-5 * scale
+        assert float((got[name].double() - b).abs().max()) <= bound, name
 
 
 @pytest.mark.parametrize("T", [1, 4], ids=["one-row", "more-rows"])
 @pytest.mark.parametrize("where", ["grad", "input"])
-def test_native_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T, where):
+def test_avx512_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T, where):
     """A NaN in the output gradient or in the input (a negative one of the widest payload)
     through the one-call bf16 backward on the AVX512-BF16 kernels: every gradient bit for bit
     the loop's with the call switched off, NaN where the float64 loop has one (output gradient),
     the expert weights' NaNs 0x7FC0 and some entries finite."""
-    _needs_native_bf16_backward()
+    _needs_avx512_one_call_backward(torch.bfloat16)
     D, F, E, K = 128, 64, 4, 2
     torch.manual_seed(T)
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).bfloat16()
@@ -2081,7 +2090,7 @@ def test_native_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T,
     special = g if where == "grad" else x
     special.view(torch.int16)[0, 3] = -1  # 0xFFFF
     assert special[0, 3].isnan()
-    (_, *together), (_, *apart), ran = _native_bf16_backward_both_ways(monkeypatch, moe, x, g)
+    (_, *together), (_, *apart), ran = _avx512_backward_both_ways(monkeypatch, moe, x, g)
     assert ran == [True]
     leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
     ref = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
@@ -2094,13 +2103,14 @@ def test_native_bf16_backward_in_one_call_rounds_nan_as_the_loop(monkeypatch, T,
             assert a.isfinite().any() and (bits[a.isnan()] == 0x7FC0).all(), name
 
 
-def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it_does_not_take():
-    """bf16_routed_swiglu_backward_blocks called directly: x's gradient zeros for the token
+def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does_not_take():
+    """avx512_routed_swiglu_backward_blocks called directly (bf16): x's gradient zeros for the token
     without rows, the experts without rows' weight gradients untouched; False for a block past
-    BF16_ONE_CALL_BACKWARD_MAX_ROWS rows, a step past BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS, an
-    expert in two blocks, mixed dtypes, float32, an odd D, a token out of range; a ValueError
-    for an expert out of range."""
-    _needs_native_bf16_backward()
+    ONE_CALL_BACKWARD_MAX_ROWS rows, a step past ONE_CALL_BACKWARD_MAX_STEP_ROWS, an
+    expert in two blocks, mixed dtypes, float32 the loop's one-pass calls would not take
+    (too few columns a thread; a block past their rows), an odd D, a token out of range; a
+    ValueError for an expert out of range."""
+    _needs_avx512_one_call_backward(torch.bfloat16)
     torch.manual_seed(8)
     E, D, F, T, K = 6, 48, 32, 3, 2
     x, w1, w2, token, expert, weight, blocks = routed_rows(T, K, E, D, F, dtype=torch.bfloat16)
@@ -2109,7 +2119,7 @@ def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it
 
     def call(g, x, h, w1, w2, token, weight, blocks):
         grads = torch.empty_like(x), torch.full_like(w1, 7), torch.full_like(w2, 7), torch.empty(token.shape[0])
-        return _small_gemm.bf16_routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks), grads
+        return _small_gemm.avx512_routed_swiglu_backward_blocks(*grads, g, x, h, w1, w2, token, weight, blocks), grads
 
     ok, (grad_x, grad_w1, grad_w2, _) = call(g, x, h, w1, w2, token, weight, blocks)
     assert ok
@@ -2121,19 +2131,27 @@ def test_native_bf16_backward_blocks_writes_whole_gradients_and_declines_what_it
     def one_block(rows):  # h, token, weight and the table of one block of `rows` rows (all token 0's)
         return torch.randn(rows, 2 * F).bfloat16(), torch.zeros(rows, dtype=torch.int64), torch.rand(rows), [(0, 0, rows)]
 
-    most = _small_gemm.BF16_ONE_CALL_BACKWARD_MAX_ROWS
+    most = _small_gemm.ONE_CALL_BACKWARD_MAX_ROWS
     h1, t1, w1_, b1 = one_block(most)
     assert call(g, x, h1, w1, w2, t1, w1_, b1)[0]
     h1, t1, w1_, b1 = one_block(most + 1)
     assert not call(g, x, h1, w1, w2, t1, w1_, b1)[0]
-    step = _small_gemm.BF16_ONE_CALL_BACKWARD_MAX_STEP_ROWS + 1
+    step = _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS + 1
     h1, t1, w1_ = torch.randn(step, 2 * F).bfloat16(), torch.zeros(step, dtype=torch.int64), torch.rand(step)
     spread = [(e, e * step // E, (e + 1) * step // E) for e in range(E)]  # (blocks of ~43 rows)
     assert not call(g, x, h1, w1, w2, t1, w1_, spread)[0]
     if len(blocks) > 1:
         assert not call(g, x, h, w1, w2, token, weight, [(blocks[0][0], s, t) for _, s, t in blocks])[0]
     assert not call(g, x, h, w1, w2.float(), token, weight, blocks)[0]  # mixed dtypes
+    # float32: not through w2 of F = 32 columns (fewer than 64 a thread: the loop's two calls)
     assert not call(g.float(), x.float(), h.float(), w1.float(), w2.float(), token, weight, blocks)[0]
+    if torch.get_num_threads() <= 2 and _small_gemm._few_row_gradients_entry_point(torch.float32) is not None:
+        # float32 with D = F = 128: blocks of up to 4 rows (the few-row gradients' float32 rows), not 5
+        xf, w1f, w2f, _, _, _, _ = routed_rows(T, K, E, 128, 128)
+        gf = torch.randn(T + 1, 128)
+        for rows, runs in ((4, True), (5, False)):
+            block = (torch.randn(rows, 256), w1f, w2f, torch.zeros(rows, dtype=torch.int64), torch.rand(rows), [(0, 0, rows)])
+            assert call(gf, xf, *block)[0] == runs, rows
     odd = routed_rows(T, K, E, D + 1, F, dtype=torch.bfloat16)
     assert not call(torch.randn(T + 1, D + 1).bfloat16(), odd[0], h, odd[1], odd[2], odd[3], odd[5], odd[6])[0]
     assert not call(g, x, h, w1, w2, torch.full_like(token, T + 1), weight, blocks)[0]
@@ -2238,7 +2256,7 @@ def test_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E
     from moe_ffn import _amx
 
     monkeypatch.setattr(_amx, "available", lambda: False)
-    monkeypatch.setattr(_small_gemm, "bf16_routed_swiglu_backward_blocks", lambda *a: False)  # (the loop's calls)
+    monkeypatch.setattr(_small_gemm, "avx512_routed_swiglu_backward_blocks", lambda *a: False)  # (the loop's calls)
     D, F = 512, 64  # (w1 [128, 512]: whole panels of 256 columns a thread)
     torch.manual_seed(T + E)
     moe = MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K).to(dtype)
