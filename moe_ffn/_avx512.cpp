@@ -2294,11 +2294,13 @@ constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= ONE_CALL_BACKWARD_MAX_ROW
 // g_out[token[n]] gathered, a = silu(gate)·up of h, gw = g scaled by weight[n] (bf16: by
 // bf16(weight[n]), each product rounded to bf16, scale_rows_bf16), da = g·w2_e and w2's
 // gradient gwᵀ·a in one pass over w2 (one-row blocks: one_row_gradients_blocks, bf16 g and gw
-// widened first; blocks of 2 to 6 rows, float32 2 to 4: few_row_gradients_blocks; bf16 blocks
-// of 7 to kOneCallBackwardMaxRows: the packed input gradient), dh and dweight [rows] (float32)
-// from h and da scaled by weight (the SwiGLU backward pass; it makes a where no block takes one
-// pass), the larger blocks' w2 gradient (packed pairs), the rows x[token[n]] gathered, dx =
-// dh·w1_e and w1's gradient dhᵀ·x likewise, and grad_x's rows = Σ dx[n] over each token's rows
+// widened first; blocks of 2 to 6 rows, float32 2 to 4: few_row_gradients_blocks; larger ones
+// to kOneCallBackwardMaxRows: the input gradients' blocks entry point, bf16 on packed panels),
+// dh and dweight [rows] (float32) from h and da scaled by weight (the SwiGLU backward pass; it
+// makes a where no block takes one pass), the larger blocks' w2 gradient (the weight gradients'
+// blocks entry point: bf16 packed pairs; float32 with the caller's outer_rows), the rows
+// x[token[n]] gathered, dx = dh·w1_e and w1's gradient dhᵀ·x likewise, and grad_x's rows = Σ
+// dx[n] over each token's rows
 // (moe_ffn_slot_sum_rows: every row written, zeros for a token without rows; bf16 rounded once).
 // The calls grouped._ffn_backward makes one by one for such a group here, on the same buffers
 // in the same order: the same bits, one crossing from Python instead of up to twenty calls and
@@ -2318,21 +2320,22 @@ int routed_swiglu_backward_small(const T* g_out, int64_t ldg_out, const T* x, in
                                  int64_t experts, int64_t dim, int64_t features, const int64_t* blocks, int64_t count,
                                  int64_t rows, T* grad_w1, int64_t gw1_expert, int64_t ldgw1, T* grad_w2,
                                  int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight,
-                                 T* grad_x, T* rows_d, T* rows_h, float* wide_d, float* wide_h, int64_t* index,
-                                 int threads, void* parallel, void* thread_num, void* num_threads) {
+                                 T* grad_x, T* rows_d, T* rows_h, float* wide_d, float* wide_h, int64_t outer_rows,
+                                 int64_t* index, int threads, void* parallel, void* thread_num, void* num_threads) {
   constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
-  constexpr int64_t kFewMost = kBf16 ? 6 : 4, kMost = kBf16 ? kOneCallBackwardMaxRows : kFewMost;
+  constexpr int64_t kFewMost = kBf16 ? 6 : 4;
   if (!bf16_ready() || rows < 1 || tokens < 1 || dim < 2 || dim % 2 || features < 1 || count < 1 || threads < 1)
     return -1;
   for (int64_t n = 0; n < rows; ++n)
     if (token[n] < 0 || token[n] >= tokens) return -1;
   // the table split as the loop splits it: blocks of one row and a few (one pass over the
-  // weight for both gradients, grouped._one_pass_gradients), and larger bf16 ones (the packed
-  // input and weight gradients' entry points, grouped._input_grad_blocks / _weight_grad_blocks)
+  // weight for both gradients, grouped._one_pass_gradients), and larger ones (the input and
+  // weight gradients' blocks entry points, grouped._input_grad_blocks / _weight_grad_blocks:
+  // bf16 packed, float32 as the float32 blocks entry points take them, outer_rows theirs)
   std::vector<int64_t> tables[3];
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = blocks[4 * i + 2] - blocks[4 * i + 1];
-    if (n < 1 || n > kMost || blocks[4 * i + 3] != 0) return -1;
+    if (n < 1 || n > kOneCallBackwardMaxRows || blocks[4 * i + 3] != 0) return -1;
     std::vector<int64_t>& table = tables[n == 1 ? 0 : n <= kFewMost ? 1 : 2];
     table.insert(table.end(), blocks + 4 * i, blocks + 4 * i + 4);
   }
@@ -2383,22 +2386,45 @@ int routed_swiglu_backward_small(const T* g_out, int64_t ldg_out, const T* x, in
                                        grad_w2, gw2_expert, ldgw2, few, fews, dim, features, stream2, threads, parallel,
                                        thread_num, num_threads) != 0)
     return -1;
-  if constexpr (kBf16) {
-    if (bigs && moe_ffn_avx512_input_grad_blocks_bf16_packed(g, dim, w2, experts, w2_expert, ldw2, da, features, big,
-                                                             bigs, dim, features, threads, parallel, thread_num,
-                                                             num_threads) != 0)
-      return -1;
-    if (moe_ffn_amx_swiglu_backward_bf16(h, ldh, da, features, weight, one_pass ? nullptr : a, features, dh, width,
-                                         dweight, rows, features, threads, parallel, thread_num, num_threads) != 0)
-      return -1;
-    if (bigs && moe_ffn_avx512_weight_grad_blocks_bf16_packed(gw, dim, a, features, grad_w2, experts, gw2_expert,
-                                                              ldgw2, big, bigs, dim, features, stream2, threads,
-                                                              parallel, thread_num, num_threads) != 0)
-      return -1;
-  } else if (moe_ffn_swiglu_backward_f32(h, ldh, da, features, weight, nullptr, features, dh, width, dweight, rows,
-                                         features, 0, threads, parallel, thread_num, num_threads) != 0) {
-    return -1;
+  // the larger blocks' products, as the loop's blocks calls make them
+  const auto input_grads = [&](const T* src, int64_t ld, const T* w, int64_t w_expert, int64_t ldw, T* y, int64_t ldy,
+                               int64_t out_features, int64_t in_features) {
+    if (bigs == 0) return 0;
+    if constexpr (kBf16)
+      return moe_ffn_avx512_input_grad_blocks_bf16_packed(src, ld, w, experts, w_expert, ldw, y, ldy, big, bigs,
+                                                          out_features, in_features, threads, parallel, thread_num,
+                                                          num_threads);
+    else
+      return moe_ffn_avx512_matmul_blocks_f32(src, ld, w, experts, w_expert, ldw, y, ldy, big, bigs, out_features,
+                                              in_features, threads, parallel, thread_num, num_threads);
+  };
+  const auto weight_grads = [&](const T* a_rows, int64_t lda, const T* b_rows, int64_t ldb, T* c, int64_t c_expert,
+                                int64_t ldc, int64_t m, int64_t n, int stream) {
+    if (bigs == 0) return 0;
+    if constexpr (kBf16)
+      return moe_ffn_avx512_weight_grad_blocks_bf16_packed(a_rows, lda, b_rows, ldb, c, experts, c_expert, ldc, big,
+                                                           bigs, m, n, stream, threads, parallel, thread_num,
+                                                           num_threads);
+    else
+      return moe_ffn_avx512_weight_grad_blocks_f32(a_rows, lda, b_rows, ldb, c, experts, c_expert, ldc, big, bigs, m,
+                                                   n, outer_rows, stream, threads, parallel, thread_num, num_threads);
+  };
+  if (input_grads(g, dim, w2, w2_expert, ldw2, da, features, dim, features) != 0) return -1;
+  {
+    const int status =
+        kBf16 ? moe_ffn_amx_swiglu_backward_bf16(reinterpret_cast<const uint16_t*>(h), ldh,
+                                                 reinterpret_cast<const uint16_t*>(da), features, weight,
+                                                 one_pass ? nullptr : reinterpret_cast<uint16_t*>(a), features,
+                                                 reinterpret_cast<uint16_t*>(dh), width, dweight, rows, features,
+                                                 threads, parallel, thread_num, num_threads)
+              : moe_ffn_swiglu_backward_f32(reinterpret_cast<const float*>(h), ldh,
+                                            reinterpret_cast<const float*>(da), features, weight,
+                                            one_pass ? nullptr : reinterpret_cast<float*>(a), features,
+                                            reinterpret_cast<float*>(dh), width, dweight, rows, features, 0, threads,
+                                            parallel, thread_num, num_threads);
+    if (status != 0) return -1;
   }
+  if (weight_grads(gw, dim, a, features, grad_w2, gw2_expert, ldgw2, dim, features, stream2) != 0) return -1;
   // the up projection: dx = dh·w1_e, w1's gradient dhᵀ·x[token]
   for (int64_t n = 0; n < rows; ++n) std::memcpy(xg + n * dim, x + token[n] * ldx, sizeof(T) * dim);
   if (ones) {
@@ -2412,15 +2438,9 @@ int routed_swiglu_backward_small(const T* g_out, int64_t ldg_out, const T* x, in
                                        gw1_expert, ldgw1, few, fews, width, dim, stream1, threads, parallel, thread_num,
                                        num_threads) != 0)
     return -1;
-  if constexpr (kBf16) {
-    if (bigs && (moe_ffn_avx512_weight_grad_blocks_bf16_packed(dh, width, xg, dim, grad_w1, experts, gw1_expert, ldgw1,
-                                                               big, bigs, width, dim, stream1, threads, parallel,
-                                                               thread_num, num_threads) != 0 ||
-                 moe_ffn_avx512_input_grad_blocks_bf16_packed(dh, width, w1, experts, w1_expert, ldw1, dx, dim, big,
-                                                              bigs, width, dim, threads, parallel, thread_num,
-                                                              num_threads) != 0))
-      return -1;
-  }
+  if (weight_grads(dh, width, xg, dim, grad_w1, gw1_expert, ldgw1, width, dim, stream1) != 0 ||
+      input_grads(dh, width, w1, w1_expert, ldw1, dx, dim, width, dim) != 0)
+    return -1;
   return moe_ffn_slot_sum_rows(grad_x, kBf16, dim, tokens, token, dx, kBf16, dim, nullptr, rows, dim, index, threads,
                                parallel, thread_num, num_threads);
 }
@@ -2434,12 +2454,13 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
     const bf16_t* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
     const int64_t* blocks, int64_t count, int64_t rows, bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1,
     bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, bf16_t* grad_x,
-    bf16_t* rows_d, bf16_t* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
-    void* thread_num, void* num_threads) {
+    bf16_t* rows_d, bf16_t* rows_h, float* wide_d, float* wide_h, int64_t outer_rows, int64_t* index, int threads,
+    void* parallel, void* thread_num, void* num_threads) {
   return routed_swiglu_backward_small(g_out, ldg_out, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
                                       w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1, gw1_expert,
                                       ldgw1, grad_w2, gw2_expert, ldgw2, stream1, stream2, dweight, grad_x, rows_d,
-                                      rows_h, wide_d, wide_h, index, threads, parallel, thread_num, num_threads);
+                                      rows_h, wide_d, wide_h, outer_rows, index, threads, parallel, thread_num,
+                                      num_threads);
 }
 
 extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_f32(
@@ -2448,10 +2469,11 @@ extern "C" int moe_ffn_avx512_routed_swiglu_backward_blocks_f32(
     const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
     const int64_t* blocks, int64_t count, int64_t rows, float* grad_w1, int64_t gw1_expert, int64_t ldgw1,
     float* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, float* grad_x,
-    float* rows_d, float* rows_h, float* wide_d, float* wide_h, int64_t* index, int threads, void* parallel,
-    void* thread_num, void* num_threads) {
+    float* rows_d, float* rows_h, float* wide_d, float* wide_h, int64_t outer_rows, int64_t* index, int threads,
+    void* parallel, void* thread_num, void* num_threads) {
   return routed_swiglu_backward_small(g_out, ldg_out, x, ldx, tokens, token, weight, h, ldh, w1, w1_expert, ldw1, w2,
                                       w2_expert, ldw2, experts, dim, features, blocks, count, rows, grad_w1, gw1_expert,
                                       ldgw1, grad_w2, gw2_expert, ldgw2, stream1, stream2, dweight, grad_x, rows_d,
-                                      rows_h, wide_d, wide_h, index, threads, parallel, thread_num, num_threads);
+                                      rows_h, wide_d, wide_h, outer_rows, index, threads, parallel, thread_num,
+                                      num_threads);
 }

@@ -698,17 +698,16 @@ def _avx512_routed_swiglu_backward_entry_point(dtype: torch.dtype):
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, i64,
-                   i64, ptr, i64, i64, ptr, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr,
-                   ptr, ptr]
+                   i64, ptr, i64, i64, ptr, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, c_int,
+                   ptr, ptr, ptr]
     fn.restype = c_int
     return fn
 
 
-# The one-call backward's limits: bf16 blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows (=
-# kOneCallBackwardMaxRows in _avx512.cpp; float32 ones of up to the few-row gradients' rows), in
-# steps of up to ONE_CALL_BACKWARD_MAX_STEP_ROWS rows (its bf16 float32 scratch for the one-row
-# blocks spans all rows; past decode-sized steps the calls' own time outweighs what one call
-# saves).
+# The one-call backward's limits: blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows (=
+# kOneCallBackwardMaxRows in _avx512.cpp), in steps of up to ONE_CALL_BACKWARD_MAX_STEP_ROWS rows
+# (its bf16 float32 scratch for the one-row blocks spans all rows; past decode-sized steps the
+# calls' own time outweighs what one call saves).
 ONE_CALL_BACKWARD_MAX_ROWS = 64
 ONE_CALL_BACKWARD_MAX_STEP_ROWS = 256
 
@@ -729,18 +728,18 @@ def avx512_routed_swiglu_backward_blocks(
     the scaling by the combine weights, `one_row_gradients` / `few_row_gradients` through w2 and
     bf16's `bf16_input_grad_blocks` for larger blocks, the SwiGLU backward pass,
     `bf16_weight_grad_blocks`, the same through w1, `slot_sum_rows`) on the same kernels in the
-    same order: the same bits. bf16: blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows; the caller
-    checks that the bf16 SwiGLU passes run here (`_amx.swiglu_forward_available`). float32:
-    blocks the few-row and one-row gradients take (up to FEW_ROW_GRADIENTS_ROWS rows, where the
-    float32 blocks kernels take them, I at least 64 a thread through both weights). The caller
-    checks that the rows are summed token by token. Returns whether it ran; where it did not,
+    same order: the same bits. Blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows; bf16: the caller
+    checks that the bf16 SwiGLU passes run here (`_amx.swiglu_forward_available`); float32:
+    where the float32 blocks kernels take the blocks (`float32_input_grad_blocks`,
+    `float32_weight_grad_blocks` all of them, the one-pass calls theirs: I at least 64 a thread
+    through both weights). The caller checks that the rows are summed token by token. Returns whether it ran; where it did not,
     the gradients may hold anything (the caller writes them again, whole)."""
     E, H, D = w1_EHD.shape
     N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
     dtype = x_TD.dtype
     tensors = (grad_x_TD, grad_w1_EHD, grad_w2_EDF, grad_out_TD, x_TD, h_NH, w1_EHD, w2_EDF)
     bf16 = dtype == torch.bfloat16
-    most = ONE_CALL_BACKWARD_MAX_ROWS if bf16 else FEW_ROW_GRADIENTS_ROWS[torch.float32][1]
+    most = ONE_CALL_BACKWARD_MAX_ROWS
     if not (
         dtype in (torch.bfloat16, torch.float32) and all(t.dtype == dtype for t in tensors)
         and all(t.stride(-1) == 1 for t in tensors)
@@ -779,7 +778,8 @@ def avx512_routed_swiglu_backward_blocks(
         grad_w2_EDF.data_ptr(), grad_w2_EDF.stride(0), grad_w2_EDF.stride(1),
         int(_streamed_gradients(grad_w1_EHD)), int(_streamed_gradients(grad_w2_EDF)), grad_weight_N.data_ptr(),
         grad_x_TD.data_ptr(), rows_D.data_ptr(), rows_H.data_ptr(), None if wide_D is None else wide_D.data_ptr(),
-        None if wide_H is None else wide_H.data_ptr(), index.data_ptr(), torch.get_num_threads(), *kernel[1],
+        None if wide_H is None else wide_H.data_ptr(), SGEMM_AVX2_WEIGHT_GRAD_ROWS[1], index.data_ptr(),
+        torch.get_num_threads(), *kernel[1],
     )
     return status == 0
 

@@ -2035,20 +2035,21 @@ def _avx512_backward_both_ways(monkeypatch, moe, x, g):
     (torch.bfloat16, 48, 32, 3, 2, 14, "7+"), (torch.bfloat16, 1024, 512, 4, 2, 1, "1"),
     (torch.bfloat16, 1024, 512, 3, 2, 2, "1-6"), (torch.bfloat16, 1024, 512, 3, 2, 12, "1-6, 7+"),
     (torch.float32, 128, 128, 8, 2, 1, "1"), (torch.float32, 256, 128, 12, 4, 5, "1-6"),
+    (torch.float32, 256, 128, 4, 2, 12, "1-6, 7+"), (torch.float32, 128, 128, 2, 2, 8, "7+"),
     (torch.float32, 1024, 512, 4, 2, 1, "1"), (torch.float32, 1024, 512, 5, 2, 4, "1-6"),
 ], ids=[
     "bf16-one-row", "bf16-1-3-rows", "bf16-up-to-6-rows-tails", "bf16-mixed", "bf16-7+-rows", "bf16-streamed",
-    "bf16-streamed-2-rows", "bf16-streamed-mixed", "fp32-one-row", "fp32-1-4-rows", "fp32-streamed",
-    "fp32-streamed-1-4-rows",
+    "bf16-streamed-2-rows", "bf16-streamed-mixed", "fp32-one-row", "fp32-1-4-rows", "fp32-mixed", "fp32-8-rows",
+    "fp32-streamed", "fp32-streamed-1-4-rows",
 ])
 def test_avx512_layer_backward_in_one_call_is_the_loops_and_matches_float64(monkeypatch, dtype, D, F, E, K, T, blocks_of):
     """A layer computing in its own dtype on the AVX512-BF16 CPUs' kernels (no AMX): its
     decode-sized backward in one call (avx512_routed_swiglu_backward_blocks) gives the output
     and the gradients of x, the router and both expert weights bit for bit as
     grouped._ffn_backward's loop with that call switched off (blocks of 1 to 6 rows, float32 1
-    to 4: the one-pass gradients through each weight; bf16 7+: the packed input and weight
-    gradients, and a made by the SwiGLU backward pass where no block takes one pass; the SwiGLU
-    passes, the slot sum); the call ran; the gradients within the float64 per-token loop's bound
+    to 4: the one-pass gradients through each weight; larger ones: the input and weight
+    gradients' blocks calls, and a made by the SwiGLU backward pass where no block takes one
+    pass; the SwiGLU passes, the slot sum); the call ran; the gradients within the float64 per-token loop's bound
     (bf16: a few roundings to bf16 of the largest terms). D = 40 / 48: rows past whole vectors
     of 16 / 32 (the scaling's and the gathers' tails); 1024 × 512: streamed gradients."""
     _needs_avx512_one_call_backward(dtype)
@@ -2059,7 +2060,7 @@ def test_avx512_layer_backward_in_one_call_is_the_loops_and_matches_float64(monk
     sizes = set(picked[picked > 0].tolist())
     kinds = ", ".join(k for k, there in (
         ("1", sizes == {1}), ("1-6", max(sizes) > 1 and min(sizes) <= 6), ("7+", max(sizes) > 6)) if there)
-    assert kinds == blocks_of and (dtype == torch.bfloat16 or max(sizes) <= 4)  # (the blocks this case means to have)
+    assert kinds == blocks_of  # (the blocks this case means to have)
     together, apart, ran = _avx512_backward_both_ways(monkeypatch, moe, x, g)
     assert ran == [True]
     names = ["y", "x", *(name for name, _ in moe.named_parameters())]
@@ -2107,9 +2108,9 @@ def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does
     """avx512_routed_swiglu_backward_blocks called directly (bf16): x's gradient zeros for the token
     without rows, the experts without rows' weight gradients untouched; False for a block past
     ONE_CALL_BACKWARD_MAX_ROWS rows, a step past ONE_CALL_BACKWARD_MAX_STEP_ROWS, an
-    expert in two blocks, mixed dtypes, float32 the loop's one-pass calls would not take
-    (too few columns a thread; a block past their rows), an odd D, a token out of range; a
-    ValueError for an expert out of range."""
+    expert in two blocks, mixed dtypes, float32 the loop's float32 blocks calls would not take
+    (too few columns a thread) or past the limit, an odd D, a token out of range; a ValueError
+    for an expert out of range."""
     _needs_avx512_one_call_backward(torch.bfloat16)
     torch.manual_seed(8)
     E, D, F, T, K = 6, 48, 32, 3, 2
@@ -2146,10 +2147,10 @@ def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does
     # float32: not through w2 of F = 32 columns (fewer than 64 a thread: the loop's two calls)
     assert not call(g.float(), x.float(), h.float(), w1.float(), w2.float(), token, weight, blocks)[0]
     if torch.get_num_threads() <= 2 and _small_gemm._few_row_gradients_entry_point(torch.float32) is not None:
-        # float32 with D = F = 128: blocks of up to 4 rows (the few-row gradients' float32 rows), not 5
+        # float32 with D = F = 128: blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows, as bf16
         xf, w1f, w2f, _, _, _, _ = routed_rows(T, K, E, 128, 128)
         gf = torch.randn(T + 1, 128)
-        for rows, runs in ((4, True), (5, False)):
+        for rows, runs in ((4, True), (5, True), (most, True), (most + 1, False)):
             block = (torch.randn(rows, 256), w1f, w2f, torch.zeros(rows, dtype=torch.int64), torch.rand(rows), [(0, 0, rows)])
             assert call(gf, xf, *block)[0] == runs, rows
     odd = routed_rows(T, K, E, D + 1, F, dtype=torch.bfloat16)
@@ -2944,6 +2945,8 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
             ran.extend(d for d in done if d)
             return done
         monkeypatch.setattr(_small_gemm, "float32_weight_grad_blocks", counted_blocks)
+        one_call = _small_gemm.avx512_routed_swiglu_backward_blocks  # (small steps: both projections' blocks)
+        monkeypatch.setattr(_small_gemm, "avx512_routed_swiglu_backward_blocks", lambda *a: ran.extend([one_call(*a)] * 2 * len(a[-1])) or ran[-1])
     monkeypatch.setattr(_memory, "_keep_gradient_memory", lambda: True)
     monkeypatch.setattr(_memory, "_MIN_BYTES", 0)
     monkeypatch.setattr(grouped, "_ACCUMULATE_ELEMENTS", 0)
