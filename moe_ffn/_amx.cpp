@@ -1449,10 +1449,9 @@ extern "C" int moe_ffn_amx_routed_swiglu_blocks(const uint16_t* x, int64_t ldx, 
 // call: g = the output gradient's rows g_out[token[n]] (gathered into g [rows, dim]), da = g·w2_e
 // (moe_ffn_amx_product_blocks), a, dh and dweight from h and da (moe_ffn_amx_swiglu_backward_bf16:
 // dweight [rows] float32, da scaled by weight inside it), g scaled by bf16(weight[n]) in place
-// (scale_rows_bf16, _bf16x16.h),
-// w2's gradient gᵀ·a and w1's dhᵀ·x[token] (moe_ffn_amx_weight_grad_blocks, the blocks' table
-// flags saying which add to what the gradient holds), dx = dh·w1_e [rows, dim]
-// (moe_ffn_amx_product_blocks), and grad_x's bf16 rows = Σ dx[n] over each token's rows
+// (scale_rows_bf16, _bf16x16.h), w2's gradient gᵀ·a and w1's dhᵀ·x[token]
+// (moe_ffn_amx_weight_grad_blocks, the blocks' table flags saying which add to what the
+// gradient holds), dx = dh·w1_e [rows, dim] (moe_ffn_amx_product_blocks), and grad_x's bf16 rows = Σ dx[n] over each token's rows
 // (moe_ffn_slot_sum_rows, every row written; `index` its int64 workspace of tokens + 1 + rows).
 // The calls grouped._ffn_backward makes one by one for such a group, on the same buffers in
 // the same order: the same bits. g, da, a, dh, dx contiguous scratch ([rows, dim], [rows, F],

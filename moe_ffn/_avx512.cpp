@@ -2290,7 +2290,7 @@ void widen_block_rows(const bf16_t* src, int64_t ld, float* dst, int64_t ldd, co
 constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= ONE_CALL_BACKWARD_MAX_ROWS in _small_gemm.py)
 
 // A routed SwiGLU layer's backward over one group of small blocks (each its own expert) in one
-// call, on the AVX512-BF16 CPUs' kernels (no AMX): g = the output gradient's rows
+// call, on the AVX512-BF16 CPUs' kernels (bf16: CPUs without AMX): g = the output gradient's rows
 // g_out[token[n]] gathered, a = silu(gate)·up of h, gw = g scaled by weight[n] (bf16: by
 // bf16(weight[n]), each product rounded to bf16, scale_rows_bf16), da = g·w2_e and w2's
 // gradient gwᵀ·a in one pass over w2 (one-row blocks: one_row_gradients_blocks, bf16 g and gw
@@ -2300,8 +2300,8 @@ constexpr int64_t kOneCallBackwardMaxRows = 64;  // (= ONE_CALL_BACKWARD_MAX_ROW
 // makes a where no block takes one pass), the larger blocks' w2 gradient (the weight gradients'
 // blocks entry point: bf16 packed pairs; float32 with the caller's outer_rows), the rows
 // x[token[n]] gathered, dx = dh·w1_e and w1's gradient dhᵀ·x likewise, and grad_x's rows = Σ
-// dx[n] over each token's rows
-// (moe_ffn_slot_sum_rows: every row written, zeros for a token without rows; bf16 rounded once).
+// dx[n] over each token's rows (moe_ffn_slot_sum_rows: every row written, zeros for a token
+// without rows; bf16 rounded once).
 // The calls grouped._ffn_backward makes one by one for such a group here, on the same buffers
 // in the same order: the same bits, one crossing from Python instead of up to twenty calls and
 // the Python around them. w1 [E, 2F, dim], w2 [E, dim, F] (experts w1_expert / w2_expert

@@ -718,22 +718,24 @@ def avx512_routed_swiglu_backward_blocks(
     blocks: list[tuple[int, int, int]],
 ) -> bool:
     """The backward of a routed SwiGLU layer computing in its own dtype (bf16 or float32) for one
-    group of small blocks (each its own expert; at most ONE_CALL_BACKWARD_MAX_STEP_ROWS rows in
-    all), in one call of the kernel on AVX512-BF16 CPUs without AMX
+    group of blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows (each its own expert; at most
+    ONE_CALL_BACKWARD_MAX_STEP_ROWS rows in all), in one call of the kernel on AVX512-BF16 CPUs
     (`moe_ffn_avx512_routed_swiglu_backward_blocks_bf16` / `_f32`), writing every gradient whole:
     x's (grad_x_TD [T, D], each token's rows summed in float32, bf16 rounded once; zeros for a
     token without rows), the two weights' (each expert with rows written over, the others left
-    as they are), the combine weights' (grad_weight_N [N] float32). The calls
-    grouped._ffn_backward makes one by one for such a group here (the gathers, the SwiGLU pass,
-    the scaling by the combine weights, `one_row_gradients` / `few_row_gradients` through w2 and
-    bf16's `bf16_input_grad_blocks` for larger blocks, the SwiGLU backward pass,
-    `bf16_weight_grad_blocks`, the same through w1, `slot_sum_rows`) on the same kernels in the
-    same order: the same bits. Blocks of up to ONE_CALL_BACKWARD_MAX_ROWS rows; bf16: the caller
-    checks that the bf16 SwiGLU passes run here (`_amx.swiglu_forward_available`); float32:
-    where the float32 blocks kernels take the blocks (`float32_input_grad_blocks`,
-    `float32_weight_grad_blocks` all of them, the one-pass calls theirs: I at least 64 a thread
-    through both weights). The caller checks that the rows are summed token by token. Returns whether it ran; where it did not,
-    the gradients may hold anything (the caller writes them again, whole)."""
+    as they are), the combine weights' (grad_weight_N [N] float32).
+
+    The calls grouped._ffn_backward makes one by one for such a group here, on the same kernels
+    in the same order (the same bits): the gathers, the SwiGLU pass, the scaling by the combine
+    weights, through w2 `one_row_gradients` / `few_row_gradients` and for larger blocks the
+    input gradients' blocks call (`bf16_input_grad_blocks` / `float32_input_grad_blocks`), the
+    SwiGLU backward pass, the weight gradients' blocks call (`bf16_weight_grad_blocks` /
+    `float32_weight_grad_blocks`), the same through w1, `slot_sum_rows`. bf16: CPUs without AMX
+    (`_bf16_blocks_entry_points`), and the caller checks that the bf16 SwiGLU passes run here
+    (`_amx.swiglu_forward_available`); float32: where the float32 blocks kernels take the blocks
+    (I at least 64 a thread through both weights). The caller checks that the rows are summed
+    token by token. Returns whether it ran; where it did not, the gradients may hold anything
+    (the caller writes them again, whole)."""
     E, H, D = w1_EHD.shape
     N, F, T = token_N.shape[0], H // 2, x_TD.shape[0]
     dtype = x_TD.dtype

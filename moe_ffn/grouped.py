@@ -1462,17 +1462,15 @@ def _ffn_backward(
     elif one_call and by_token and cdt == dtype and (dtype == torch.float32 or _amx.swiglu_forward_available()) and (
         _small_gemm._torch_on_avx512()
     ):
-        # AVX512-BF16 CPUs without AMX: a group of blocks of up to 64 rows (256 rows in all), the
-        # loop below's calls in one (`_small_gemm.avx512_routed_swiglu_backward_blocks`, the
-        # same bits).
-        # Zen 4 EPYC, bf16 forward+backward, loop → one call, alternated in one process with the
-        # weights out of the caches (medians of pair ratios, 2026-12-07): blocks of 1 to 6 rows
-        # (15 rounds) fine-grained T = 1 / 4 / 8 0.89 / 0.93 / 0.95×, Mixtral 0.95 / 0.96 / 0.95×;
-        # with larger blocks too (11-15 rounds) T = 16 fine-grained 0.90 / 0.98×, Mixtral 0.94 /
-        # 0.96 / 1.01×, T = 32 0.96× / 0.90×, Mixtral T = 64 0.99×. float32 (11-21 rounds): T = 1
-        # fine-grained 0.92×, Mixtral 0.98× (1.03× in 11 rounds), fine-grained T = 4 0.95×; with
-        # the float32 blocks calls' larger blocks (11 rounds) Mixtral T = 4 / 16 0.97 / 0.96×,
-        # fine-grained T = 16 0.995 / 1.02×, T = 32 0.91×.
+        # AVX512-BF16 CPUs (bf16: without AMX; float32: where the float32 blocks kernels take
+        # the blocks): a group of blocks of up to 64 rows (256 rows in all), the loop below's
+        # calls in one (`_small_gemm.avx512_routed_swiglu_backward_blocks`, the same bits). Zen 4
+        # EPYC, forward+backward, loop → one call, alternated in one process with the weights
+        # out of the caches (medians of pair ratios, 11–21 rounds a run, 2026-12-07): bf16 T = 1
+        # fine-grained 0.89–0.94×, Mixtral 0.93–0.95×; T = 4 0.93× / 0.92–0.97×, T = 8 0.95× /
+        # 0.95×, T = 16 0.90–1.01× / 0.93–1.01×, T = 32 0.96× / 0.90×, Mixtral T = 64 0.99×;
+        # float32 T = 1 0.92–0.95× / 0.94–1.03×, T = 4 0.95× / 0.97×, T = 16 0.98–1.02× /
+        # 0.93–0.96×, fine-grained T = 32 0.91×.
         one_call_fn = _small_gemm.avx512_routed_swiglu_backward_blocks
     elif one_call and cdt == torch.float32 and (by_token or dtype == torch.bfloat16) and _small_gemm.blocks_fit(blocks):
         # Decode-sized float32 blocks on moe_ffn's AVX2 kernel, or bf16 ones of a layer computing
