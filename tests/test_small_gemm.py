@@ -2004,6 +2004,22 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
         real(x1, token + 5, weight, w1, w2, blocks, False)
 
 
+def _same_bits_and_within_float64(names, together, apart, moe, x, g, K, dtype):
+    """together and apart ([name]: tensor) bit for bit; x's, the router's and both expert
+    weights' gradients in `together` within the float64 loop's bound (bf16: a few roundings to
+    bf16 of the largest terms)."""
+    for name, a, b in zip(names, together, apart):
+        bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+        assert a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits)), name
+    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
+    got = dict(zip(names, together))
+    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
+        scale = max(1.0, float(b.abs().max()))
+        bound = 6 * 2.0**-8 * scale if dtype == torch.bfloat16 else 2e-5 * scale
+        assert float((got[name].double() - b).abs().max()) <= bound, name
+
+
 def _needs_avx512_one_call_backward(dtype):
     _needs_kernel()
     _needs_one_row_gradients(dtype)
@@ -2064,16 +2080,7 @@ def test_avx512_layer_backward_in_one_call_is_the_loops_and_matches_float64(monk
     together, apart, ran = _avx512_backward_both_ways(monkeypatch, moe, x, g)
     assert ran == [True]
     names = ["y", "x", *(name for name, _ in moe.named_parameters())]
-    for name, a, b in zip(names, together, apart):
-        bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
-        assert a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits)), name
-    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
-    ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
-    got = dict(zip(names, together))
-    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
-        scale = max(1.0, float(b.abs().max()))
-        bound = 6 * 2.0**-8 * scale if dtype == torch.bfloat16 else 2e-5 * scale
-        assert float((got[name].double() - b).abs().max()) <= bound, name
+    _same_bits_and_within_float64(names, together, apart, moe, x, g, K, dtype)
 
 
 @pytest.mark.parametrize("T", [1, 4], ids=["one-row", "more-rows"])
@@ -2281,16 +2288,7 @@ def test_layer_one_row_gradients_are_the_two_calls_bit_for_bit(monkeypatch, T, E
     monkeypatch.setattr(_small_gemm, "one_row_gradients", lambda *args: False)
     apart = step()
     names = ["x", *(name for name, _ in moe.named_parameters())]
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    for name, a, b in zip(names, together, apart):
-        assert torch.equal(a.view(bits), b.view(bits)), name
-    leaves = [t.detach().double().requires_grad_() for t in (x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
-    ref_grads = torch.autograd.grad((moe_forward(*leaves, K) * g.double()).sum(), leaves)
-    got = dict(zip(names, together))
-    for name, b in zip(("x", "router.weight", "experts.gate_up_proj", "experts.down_proj"), ref_grads):
-        scale = max(1.0, float(b.abs().max()))
-        bound = 6 * 2.0**-8 * scale if dtype == torch.bfloat16 else 2e-5 * scale
-        assert float((got[name].double() - b).abs().max()) <= bound, name
+    _same_bits_and_within_float64(names, together, apart, moe, x, g, K, dtype)
 
 
 @pytest.mark.parametrize("T", [1, 8], ids=["one-row", "more-rows"])
