@@ -2136,6 +2136,7 @@ def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does
     assert idle and (grad_w1[idle] == 7).all() and (grad_w2[idle] == 7).all()
     busy = sorted(set(expert.tolist()))
     assert (grad_w1[busy] != 7).any() and (grad_w2[busy] != 7).any()
+
     def one_block(rows):  # h, token, weight and the table of one block of `rows` rows (all token 0's)
         return torch.randn(rows, 2 * F).bfloat16(), torch.zeros(rows, dtype=torch.int64), torch.rand(rows), [(0, 0, rows)]
 
@@ -2145,7 +2146,7 @@ def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does
     h1, t1, w1_, b1 = one_block(most + 1)
     assert not call(g, x, h1, w1, w2, t1, w1_, b1)[0]
     step = _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS + 1
-    h1, t1, w1_ = torch.randn(step, 2 * F).bfloat16(), torch.zeros(step, dtype=torch.int64), torch.rand(step)
+    h1, t1, w1_, _ = one_block(step)
     spread = [(e, e * step // E, (e + 1) * step // E) for e in range(E)]  # (blocks of ~43 rows)
     assert not call(g, x, h1, w1, w2, t1, w1_, spread)[0]
     if len(blocks) > 1:
