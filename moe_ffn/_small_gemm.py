@@ -1507,6 +1507,21 @@ BF16_INPUT_GRAD_PACKED_FROM_ROWS = 2
 # rounds), 1.084× (11).
 BF16_WEIGHT_GRAD_MAX_ROWS = 320
 BF16_WEIGHT_GRAD_PACKED_FROM_ROWS = 4
+# On the Zen 4 EPYC (family 25, 2026-12-07) the kernel stays ahead of torch's bf16 GEMM past
+# 320 rows (per product, one call for all experts against torch.mm a block, weights from
+# memory, 5-7 rounds alternated, GFLOP/s kernel / torch): fine-grained w2 / w1 384 rows 399 /
+# 355 and 398 / 370, 512 rows 410 / 391 and 413 / 401, 1024 rows 408 / 381 and 410 / 392;
+# Mixtral's 512 rows 415 / 395 and 422 / 410, 1024 rows 426 / 401 and 432 / 414, but 2048 rows
+# 353 / 406 through its down projection: there it stops at 1024. Layer bf16 forward+backward
+# (in one process, the limit switched, pair ratios' medians, 5 rounds of 2 layers): Mixtral
+# T = 2048 (blocks of ~512 rows) 0.975×, fine-grained T = 2048 (~256) 0.960×, T = 8192 (~1024,
+# 3 rounds) 0.984×.
+BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 = 1024
+
+
+def bf16_weight_grad_max_rows() -> int:
+    """The most rows of a block `bf16_weight_grad_blocks` takes on this CPU."""
+    return BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 if _vendor_is_amd() and _cpu_family() == 25 else BF16_WEIGHT_GRAD_MAX_ROWS
 
 
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
@@ -1791,11 +1806,11 @@ def bf16_weight_grad_blocks(
 ) -> bool:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), all bf16,
     written over (old contents not read), each result rounded to bf16 once: blocks from
-    BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows in one call of the
+    BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to `bf16_weight_grad_max_rows()` rows in one call of the
     packed-pairs kernel, the others in one call of the widening kernel; returns whether it ran
     (when False, `out_EMN` is untouched: also where any block accumulates)."""
     found = (
-        _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate, most=BF16_WEIGHT_GRAD_MAX_ROWS)
+        _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate, most=bf16_weight_grad_max_rows())
         if out_EMN.dim() == 3 else None
     )
     if found is None:

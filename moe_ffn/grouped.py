@@ -1338,8 +1338,8 @@ def _input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list) -> l
 def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, again: list[bool]) -> list[bool]:
     """The same for the blocks' weight gradients aᵀ·b into out_EMN[e] (float32 on AMD's AVX-512
     CPUs: the blocks `_small_gemm.float32_weight_grad_blocks` takes; AVX512-BF16: bf16 blocks
-    of up to BF16_WEIGHT_GRAD_MAX_ROWS rows; `again`: the block adds to its expert's first
-    piece, which the bf16 kernels do not do)."""
+    of up to `_small_gemm.bf16_weight_grad_max_rows()` rows; `again`: the block adds to its
+    expert's first piece, which the bf16 kernels do not do)."""
     if _small_gemm.weight_grad_blocks(out_EMN, a, b, blocks, again):
         return [True] * len(blocks)
     if a.dtype == torch.bfloat16:
@@ -1349,7 +1349,7 @@ def _weight_grad_blocks(out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, aga
     done = _small_gemm.float32_weight_grad_blocks(out_EMN, a, b, blocks, again)
     if any(done):
         return done
-    fits = _kernel_subset(blocks, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS)
+    fits = _kernel_subset(blocks, _small_gemm.bf16_weight_grad_max_rows())
     small = [s and not add for s, add in zip(fits, again)]
     chosen = [block for block, s in zip(blocks, small) if s]
     if chosen and _small_gemm.bf16_weight_grad_blocks(out_EMN, a, b, chosen, [False] * len(chosen)):

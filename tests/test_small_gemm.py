@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ffn import MoE, _amx, _small_gemm
+from moe_ffn import MoE, _amx, _small_gemm, grouped
 from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
 U = 2.0**-24  # float32 unit roundoff
@@ -1347,16 +1347,20 @@ def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, 64), (13, 100), (29, 64), (97, 300), (1024, 512), (520, 1024)])
 @pytest.mark.parametrize("own", [False, True])
-def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(shape, own):
-    """Blocks of BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS rows on the
-    packed-pairs kernel (odd row counts: the last row paired with zeros; both ends of its
-    rows), with one- and three-row blocks on the widening kernel in the same call: tiles of 6
-    rows of the result and their tails, panels of 64 columns and the last part-full one; written
-    over old contents (NaN), streaming (own, the two largest) or into a slice with odd strides;
-    experts without a block untouched; one thread gives the same."""
+def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(monkeypatch, shape, own):
+    """Blocks of BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 rows (the
+    most it takes on any CPU; Zen 4 forced) on the packed-pairs kernel (odd row counts: the last
+    row paired with zeros; both ends of its rows), with one- and three-row blocks on the
+    widening kernel in the same call: tiles of 6 rows of the result and their tails, panels of
+    64 columns and the last part-full one; written over old contents (NaN), streaming (own, the
+    two largest) or into a slice with odd strides; experts without a block untouched; one
+    thread gives the same."""
     _needs_bf16_blocks()
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: True)
+    monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: 25)
     M, N = shape
-    most, least = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS, _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS
+    most, least = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4, _small_gemm.BF16_WEIGHT_GRAD_PACKED_FROM_ROWS
+    assert _small_gemm.bf16_weight_grad_max_rows() == most
     end = 50 + most  # (block 3 the most rows, block 5 the fewest of the packed kernel)
     blocks = [(1, 0, 9), (0, 9, 10), (2, 13, 50), (3, 50, end), (5, end, end + least)]
     blocks.append((6, end + least, end + least + 3))
@@ -1376,6 +1380,34 @@ def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(s
     assert _on_one_thread(lambda: _small_gemm.bf16_weight_grad_blocks(single, a, b, blocks, [False] * len(blocks)))
     experts = [e for e, _, _ in blocks]
     assert torch.equal(single[experts], out[experts])
+
+
+@pytest.mark.parametrize("amd, family", [(True, 25), (True, 26), (False, 6)])
+def test_bf16_weight_grad_row_range_by_cpu(monkeypatch, amd, family):
+    """On Zen 4 (AMD's family 25, forced here) the bf16 weight-gradient kernel takes blocks of up
+    to BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 rows, elsewhere up to BF16_WEIGHT_GRAD_MAX_ROWS; a block
+    one row past declines the call (the output untouched), and the layer's backward leaves
+    just that block to torch."""
+    _needs_bf16_blocks()
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: amd)
+    monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: family)
+    most = {(True, 25): 1024, (True, 26): 320, (False, 6): 320}[amd, family]
+    assert _small_gemm.bf16_weight_grad_max_rows() == most
+    torch.manual_seed(2)
+    a, b = torch.randn(most + 1, 12).bfloat16(), torch.randn(most + 1, 70).bfloat16()
+    for rows, taken in ((most, True), (most + 1, False)):
+        out = torch.full((2, 12, 70), 7.0, dtype=torch.bfloat16)
+        assert _small_gemm.bf16_weight_grad_blocks(out, a[:rows], b[:rows], [(1, 0, rows)], [False]) == taken
+        assert bool((out == 7).all()) != taken
+        if taken:
+            exact = a[:rows].double().t() @ b[:rows].double()
+            _bf16_within_one_rounding(out[1], exact, _bound(a[:rows].double().abs().t(), b[:rows].double().abs(), rows))
+    out = torch.full((2, 12, 70), 7.0, dtype=torch.bfloat16)
+    assert grouped._weight_grad_blocks(out, a, b, [(0, 0, 5), (1, 5, most + 1)], [False, False]) == [True, True]
+    out = torch.full((2, 12, 70), 7.0, dtype=torch.bfloat16)
+    c = torch.cat([a, a[:5]]), torch.cat([b, b[:5]])
+    assert grouped._weight_grad_blocks(out, *c, [(0, 0, 5), (1, 5, most + 6)], [False, False]) == [True, False]
+    assert bool((out[1] == 7).all())  # (the block past the most rows: left to the caller)
 
 
 @pytest.mark.parametrize("N", [128, 1 << 16])
@@ -1624,7 +1656,7 @@ def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     assert not _small_gemm.bf16_input_grad_blocks(out.float(), g.float(), w.float(), [(0, 0, 1)])
     grads = torch.full((2, 24, 40), 7.0, dtype=torch.bfloat16)
     x = torch.randn(most + 1, 40).bfloat16()
-    most_w = _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS
+    most_w = _small_gemm.bf16_weight_grad_max_rows()
     g_w, x_w = torch.randn(most_w + 2, 24).bfloat16(), torch.randn(most_w + 2, 40).bfloat16()  # (a block one row past)
     assert not _small_gemm.bf16_weight_grad_blocks(grads, g_w, x_w, [(0, 0, 1), (1, 1, most_w + 2)], [False, False])
     assert not _small_gemm.bf16_weight_grad_blocks(grads, g, x, [(0, 0, 2), (0, 2, 4)], [False, True])
