@@ -1649,7 +1649,7 @@ def test_bf16_blocks_kernels_decline_what_they_do_not_take():
     g = torch.randn(most + 1, 24).bfloat16()
     out = torch.full((most + 1, 40), 7.0, dtype=torch.bfloat16)
     assert not _small_gemm.bf16_input_grad_blocks(out, g[:, :23], w[:, :23], [(0, 0, most + 1)])  # odd O past `most` rows
-    big = _small_gemm.BF16_INPUT_GRAD_MAX_ROWS + 1  # (rows 1 to big + 1: one row past the most)
+    big = _small_gemm.bf16_input_grad_max_rows(w) + 1  # (rows 1 to big + 1: one row past the most)
     assert not _small_gemm.bf16_input_grad_blocks(
         torch.empty(big + 1, 40, dtype=torch.bfloat16), torch.randn(big + 1, 24).bfloat16(), w, [(0, 0, 1), (1, 1, big + 1)]
     )
