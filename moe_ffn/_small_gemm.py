@@ -1513,9 +1513,9 @@ BF16_WEIGHT_GRAD_PACKED_FROM_ROWS = 4
 # 355 and 398 / 370, 512 rows 410 / 391 and 413 / 401, 1024 rows 408 / 381 and 410 / 392;
 # Mixtral's 512 rows 415 / 395 and 422 / 410, 1024 rows 426 / 401 and 432 / 414, but 2048 rows
 # 353 / 406 through its down projection: there it stops at 1024. Layer bf16 forward+backward
-# (in one process, the limit switched, pair ratios' medians, 5 rounds of 2 layers): Mixtral
-# T = 2048 (blocks of ~512 rows) 0.975×, fine-grained T = 2048 (~256) 0.960×, T = 8192 (~1024,
-# 3 rounds) 0.984×.
+# (in one process, the limit switched, pair ratios' medians, two runs of 5 and 8 rounds of 2
+# layers): Mixtral T = 2048 (blocks of ~512 rows) 0.975× / 0.970×, fine-grained T = 2048 (~256,
+# some past 320) 0.960× / 0.988×, T = 8192 (~1024, 3 rounds) 0.984×.
 BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 = 1024
 
 
