@@ -1390,6 +1390,87 @@ void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_
   }
 }
 
+// 32 float32 values (lo, then hi) rounded to bf16 as to_bf16 rounds them, stored at `at`. The
+// instruction (vcvtne2ps2bf16, one for 32 values where to_bf16 takes seven steps for 16) rounds
+// to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
+// (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
+// is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
+// itself, so in the packed weight gradient the fallback is NaN's. Per product, 8 or 64 weights
+// of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
+// 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
+constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // vfpclassps: quiet NaN, signalling NaN, subnormal
+template <bool STREAM>
+inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
+  __m512i bits;
+  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
+    bits = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
+  else
+    bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
+  else _mm512_storeu_si512(at, bits);
+}
+
+// A tile's float32 sums [rows][kGradPanel] (from memory) rounded into c's rows (ldc apart) and
+// first `cols` columns: whole lines 32 at a time (store32), part lines 16 at a time (store16).
+// Out of line, for a tile's rarer cases (a NaN among its sums, the last part-full panel; see
+// store_tile).
+template <bool STREAM>
+__attribute__((noinline)) void tile_stores(const float* sums, int rows, bf16_t* c, int64_t ldc, int64_t cols) {
+  for (int i = 0; i < rows; ++i) {
+    const float* row = sums + i * kGradPanel;
+    if (cols == kGradPanel) {
+      for (int j = 0; j < 4; j += 2)
+        store32<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), _mm512_load_ps(row + 16 * j + 16));
+      continue;
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+      if (n == 16) store16<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j));
+      else if (n > 0) store16(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), static_cast<__mmask16>((1u << n) - 1));
+    }
+  }
+}
+
+// A register tile of ROWS rows × kGradPanel float32 sums rounded to bf16 into c (rows ldc apart,
+// its first `cols` columns; STREAM: whole lines past the caches): a whole panel without a NaN or
+// subnormal among the sums 32 sums an instruction, anything else out of line (tile_stores), the
+// same bits either way. Why out of line: with store32's and store16's fallbacks inlined in the
+// tiles, GCC 12 kept their accumulators in a stack array, zeroed before every tile and spilled
+// after it (62 stack accesses in wgrad_tile<6>, ~12 % of its samples at Mixtral's 64-row
+// blocks, where a tile runs 32 pair steps; grad_tile<6> likewise). On the Zen 4 EPYC
+// (2026-12-07), the two builds alternated in one process (9 rounds of 3 layers, pair ratios'
+// median), layer bf16 forward+backward with the weight gradients' tiles changed: Mixtral T =
+// 256 0.970×, fine-grained T = 256 0.931×; with the input gradients' (grad_tile) too, against
+// the same start: 0.950× / 0.917×.
+template <int ROWS, bool STREAM>
+inline void store_tile(const __m512 (&acc)[ROWS][4], bf16_t* c, int64_t ldc, int64_t cols) {
+  if (cols == kGradPanel) {
+    __mmask16 odd = 0;
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) odd |= _mm512_fpclass_ps_mask(acc[i][j], kNanOrSubnormal);
+    if (odd == 0) {
+#pragma GCC unroll 6
+      for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 2
+        for (int j = 0; j < 4; j += 2) {
+          const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(acc[i][j + 1], acc[i][j]);
+          if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(c + i * ldc + 16 * j), bits);
+          else _mm512_storeu_si512(c + i * ldc + 16 * j, bits);
+        }
+      return;
+    }
+  }
+  alignas(64) float sums[ROWS][kGradPanel];
+#pragma GCC unroll 6
+  for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(sums[i] + 16 * j, acc[i][j]);
+  tile_stores<STREAM>(&sums[0][0], ROWS, c, ldc, cols);
+}
+
+
 // ROWS rows of g from r over one chunk [o0, o0 + depth) of the panel; `sums` [rows][kGradPanel]
 // float32 carried between chunks (FIRST: not read; LAST: the results rounded into y's columns
 // [q, q + cols) instead of written back).
@@ -1397,7 +1478,9 @@ template <int ROWS, bool FIRST, bool LAST>
 void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t o0, int64_t depth, int64_t q,
                int64_t cols, float* sums, RowLines& ahead) {
   __m512 acc[ROWS][4];
+#pragma GCC unroll 6
   for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r + i) * kGradPanel + 16 * j);
   const bf16_t* g = p.a + r * p.lda + o0;
   for (int64_t pr = 0; pr < depth / 2; ++pr) {
@@ -1411,17 +1494,13 @@ void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
     }
   }
-  for (int i = 0; i < ROWS; ++i) {
-    if (!LAST) {
+  if constexpr (LAST) {
+    store_tile<ROWS, false>(acc, p.c + r * p.ldc + q, p.ldc, cols);
+  } else {
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + (r + i) * kGradPanel + 16 * j, acc[i][j]);
-      continue;
-    }
-    bf16_t* y = p.c + (r + i) * p.ldc + q;
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
-      if (n == 16) store16<false>(y + 16 * j, acc[i][j]);
-      else if (n > 0) store16(y + 16 * j, acc[i][j], static_cast<__mmask16>((1u << n) - 1));
-    }
   }
 }
 
@@ -1449,25 +1528,6 @@ void grad_rows(const InputGradBf16& p, const uint32_t* panel, int64_t o0, int64_
 // against prefetches into L1 (T = 256 1.00 / 0.92×, T = 1 level: its 1-row blocks take the widening
 // kernel); the L1 prefetches' misses held the fill buffers the packing's own loads need. Not
 // re-measured on Zen 5.
-// 32 float32 values (lo, then hi) rounded to bf16 as to_bf16 rounds them, stored at `at`. The
-// instruction (vcvtne2ps2bf16, one for 32 values where to_bf16 takes seven steps for 16) rounds
-// to nearest even as to_bf16 does, except that it quiets a NaN keeping its sign and payload
-// (torch's rounding: 0x7FC0) and flushes subnormals to zero (torch keeps them): where any lane
-// is either, to_bf16 takes all 32. (The sums of vdpbf16ps are never subnormal, it flushes them
-// itself, so in the packed weight gradient the fallback is NaN's. Per product, 8 or 64 weights
-// of the benchmark's shapes (9 rounds), GFLOP/s to_bf16 → this: 16 rows 267–483 → 390–595,
-// 32 rows 588–664 → 668–760, 64 rows 676–780 → 718–846, 128 rows 802–830 → 825–868.)
-constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // vfpclassps: quiet NaN, signalling NaN, subnormal
-template <bool STREAM>
-inline void store32(bf16_t* at, __m512 lo, __m512 hi) {
-  __m512i bits;
-  if (_mm512_fpclass_ps_mask(lo, kNanOrSubnormal) | _mm512_fpclass_ps_mask(hi, kNanOrSubnormal))
-    bits = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1);
-  else
-    bits = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), bits);
-  else _mm512_storeu_si512(at, bits);
-}
 
 // Blocks of at most kDirectRows rows read w where it lies instead: the products of so few rows
 // of g take less time than packing w's pairs did. A tile of all the block's rows by 64 columns
@@ -1762,32 +1822,6 @@ void few_rows_range(const WeightGradOf<float, bf16_t, bf16_t>& p, int64_t first,
 // rows of c pass over them row strip by row strip.
 using WeightGradBf16 = WeightGradOf<bf16_t, bf16_t, bf16_t>;
 
-// A weight-gradient tile's float32 sums [rows][kGradPanel] (from memory) rounded into c's rows
-// and first `cols` columns: whole lines 32 at a time (store32: to_bf16 where a NaN is among
-// them), part lines 16 at a time. Out of line, for the tiles' rarer cases (a NaN among a tile's
-// sums, the last part-full panel), so that the tile's accumulators stay in registers: with
-// these stores inlined GCC 12 kept them in a stack array, zeroed before every tile and spilled
-// after it (62 stack accesses in wgrad_tile<6>, ~12 % of its samples at Mixtral's 64-row
-// blocks, where a tile runs 32 pair steps). On the Zen 4 EPYC (2026-12-07), the two builds
-// alternated in one process (9 rounds of 3 layers, pair ratios' median), layer bf16
-// forward+backward: Mixtral T = 256 0.970×, fine-grained T = 256 0.931×.
-template <bool STREAM>
-__attribute__((noinline)) void wgrad_tile_stores(const float* sums, int rows, bf16_t* c, int64_t ldc, int64_t cols) {
-  for (int i = 0; i < rows; ++i) {
-    const float* row = sums + i * kGradPanel;
-    if (cols == kGradPanel) {
-      for (int j = 0; j < 4; j += 2)
-        store32<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), _mm512_load_ps(row + 16 * j + 16));
-      continue;
-    }
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
-      if (n == 16) store16<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j));
-      else if (n > 0) store16(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), static_cast<__mmask16>((1u << n) - 1));
-    }
-  }
-}
-
 template <int ROWS, bool STREAM>
 void wgrad_tile(const uint32_t* a_pairs, int64_t a_width, const uint32_t* panel, int64_t pairs, bf16_t* c,
                 int64_t ldc, int64_t cols) {
@@ -1802,30 +1836,7 @@ void wgrad_tile(const uint32_t* a_pairs, int64_t a_width, const uint32_t* panel,
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a_i, b_p[j]);
     }
   }
-  if (cols == kGradPanel) {  // whole lines of c, no NaN among the sums: 32 sums a conversion
-    __mmask16 odd = 0;
-#pragma GCC unroll 6
-    for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) odd |= _mm512_fpclass_ps_mask(acc[i][j], kNanOrSubnormal);
-    if (odd == 0) {
-#pragma GCC unroll 6
-      for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 2
-        for (int j = 0; j < 4; j += 2) {
-          const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(acc[i][j + 1], acc[i][j]);
-          if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(c + i * ldc + 16 * j), bits);
-          else _mm512_storeu_si512(c + i * ldc + 16 * j, bits);
-        }
-      return;
-    }
-  }
-  alignas(64) float sums[ROWS][kGradPanel];  // (the rest: stored from memory, out of line)
-#pragma GCC unroll 6
-  for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(sums[i] + 16 * j, acc[i][j]);
-  wgrad_tile_stores<STREAM>(&sums[0][0], ROWS, c, ldc, cols);
+  store_tile<ROWS, STREAM>(acc, c, ldc, cols);
 }
 
 template <bool STREAM>
