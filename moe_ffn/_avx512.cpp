@@ -74,6 +74,17 @@ using WeightGrad = WeightGradOf<float, float, float>;
 
 #include "_bf16x16.h"  // to_bf16
 
+// Loops over a register tile's accumulators (and other loops of a few steps known when compiled)
+// are unrolled whole: then GCC keeps each accumulator in a register. Where it left such a loop
+// rolled (a body too long for its own heuristics, an early exit) it kept the tile's accumulators
+// in a stack array instead, zeroed before every tile and stored to after it, 24 zmm stores
+// each way: 10-20 % of a short tile's time (a block of 32-64 rows through a weight gradient).
+// Zen 4 EPYC (2026-12-07), builds alternated in one process, layer forward+backward (pair
+// ratios' medians): see the bf16 tiles' notes (store_tile, outer_tile); the rest of the file's
+// loops too, against those: fp32 T = 256 Mixtral 0.949×, fine-grained 0.917×, fine T = 2048
+// 0.937×, Mixtral T = 16 0.976×; bf16 T = 16 Mixtral 0.866×, fine 0.931×, T = 256 level.
+#define MOE_UNROLL _Pragma("GCC unroll 32")
+
 namespace {
 
 // ROWS rows of c from row r, VECS vectors of 16 columns from column q; with MASKED the last
@@ -132,8 +143,8 @@ void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc
           RowLines* lines = nullptr, const TB* after = nullptr) {
   static_assert(!ACCUMULATE || sizeof(TC) == 4, "a bf16 result is rounded once, never added to");
   __m512 acc[ROWS][VECS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < k; ++s) {
     if (lines != nullptr) lines->step();
     if constexpr (AHEAD > 0) {
@@ -143,17 +154,17 @@ void tile(const TA* a, int64_t lda, const TB* b, int64_t ldb, TC* c, int64_t ldc
           _mm_prefetch(reinterpret_cast<const char*>(ahead) + l, _MM_HINT_T1);
     }
     __m512 b_s[VECS];
-    for (int j = 0; j < VECS; ++j)
+    MOE_UNROLL for (int j = 0; j < VECS; ++j)
       b_s[j] = MASKED && j + 1 == VECS ? load16(b + 16 * j, last) : load16(b + 16 * j);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512 a_i = _mm512_set1_ps(widen(A_ROWS ? a[i * lda] : a[i]));
-      for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
+      MOE_UNROLL for (int j = 0; j < VECS; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
     }
     a += A_ROWS ? 1 : lda;
     b += ldb;
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < VECS; ++j) {
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < VECS; ++j) {
       TC* at = c + i * ldc + 16 * j;
       if (MASKED && j + 1 == VECS) {
         __m512 v = acc[i][j];
@@ -277,7 +288,8 @@ constexpr int64_t kMatmulRows = 96;
 inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
   alignas(64) static thread_local float panel[kMatmulDepth * 64];
   for (int64_t s = 0; s < depth; ++s)
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(b + s * ldb + 16 * j));
+    MOE_UNROLL for (int j = 0; j < 4; ++j)
+      _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(b + s * ldb + 16 * j));
   return panel;
 }
 
@@ -465,11 +477,11 @@ struct Linear : LinearOf<float> {
 // the end of each 512-deep chunk, a fifth of the chunk's instructions).
 inline __m512 sums16(const __m512 (&v)[16]) {
   __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+  MOE_UNROLL for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of four vectors
+  MOE_UNROLL for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of four vectors
     u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
+  MOE_UNROLL for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
@@ -481,35 +493,35 @@ template <int ROWS, int COLS, bool MASKED>
 void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t depth,
                  bool add, const float* next = nullptr, int next_rows = 0) {
   __m512 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t whole = depth & ~int64_t{15};
   for (int64_t k = 0; k < whole; k += 16) {
     __m512 w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_loadu_ps(w + j * ldw + k);
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_loadu_ps(w + j * ldw + k);
     for (int j = 0; j < next_rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T1);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512 x_k = _mm512_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
+      MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
     }
   }
   if (MASKED) {
     const __mmask16 lanes = static_cast<__mmask16>((1u << (depth - whole)) - 1);
     __m512 w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_maskz_loadu_ps(lanes, w + j * ldw + whole);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_maskz_loadu_ps(lanes, w + j * ldw + whole);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512 x_k = _mm512_maskz_loadu_ps(lanes, x + i * ldx + whole);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
+      MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
     }
   }
   // two rows' sums at a time (sums16: row i's in lanes 0..COLS-1, row i+1's from lane 8), each
   // row's stored by one masked store
   static_assert(COLS <= 8, "two rows of sums to a vector");
   const __mmask8 cols = static_cast<__mmask8>((1u << COLS) - 1);
-  for (int i = 0; i < ROWS; i += 2) {
+  MOE_UNROLL for (int i = 0; i < ROWS; i += 2) {
     const bool pair = i + 1 < ROWS;
     __m512 v[16];
-    for (int j = 0; j < 8; ++j) {
+    MOE_UNROLL for (int j = 0; j < 8; ++j) {
       v[j] = j < COLS ? acc[i][j] : _mm512_setzero_ps();
       v[8 + j] = j < COLS && pair ? acc[pair ? i + 1 : i][j] : _mm512_setzero_ps();
     }
@@ -678,7 +690,8 @@ void router_logits_rows(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t l
       const bf16_t* we = w + e * ldw;
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t d = 0; d < whole; d += 64)
-        for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(load16(xt + d + 16 * j), load16(we + d + 16 * j), acc[j]);
+        MOE_UNROLL for (int j = 0; j < 4; ++j)
+          acc[j] = _mm512_fmadd_ps(load16(xt + d + 16 * j), load16(we + d + 16 * j), acc[j]);
       for (int64_t d = whole, j = 0; d < dim; d += 16, ++j) {
         const __mmask16 lanes = static_cast<__mmask16>(dim - d >= 16 ? 0xFFFF : (1u << (dim - d)) - 1);
         acc[j] = _mm512_fmadd_ps(load16(xt + d, lanes), load16(we + d, lanes), acc[j]);
@@ -697,17 +710,18 @@ void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src,
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t c = 0; c < dim; c += 16 * kVecs) {
       __mmask16 lanes[kVecs];
-      for (int v = 0; v < kVecs; ++v) {
+      MOE_UNROLL for (int v = 0; v < kVecs; ++v) {
         const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, dim - c - 16 * v));
         lanes[v] = static_cast<__mmask16>((1u << n) - 1);
       }
       __m512 acc[kVecs];
-      for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
+      MOE_UNROLL for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
       for (int64_t j = 0; j < depth; ++j) {
         const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
-        for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes[v]), acc[v]);
+        MOE_UNROLL for (int v = 0; v < kVecs; ++v)
+          acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes[v]), acc[v]);
       }
-      for (int v = 0; v < kVecs; ++v) store16(out + i * ldo + c + 16 * v, acc[v], lanes[v]);
+      MOE_UNROLL for (int v = 0; v < kVecs; ++v) store16(out + i * ldo + c + 16 * v, acc[v], lanes[v]);
     }
   }
 }
@@ -1053,41 +1067,39 @@ template <int ROWS, int COLS>
 void dot_tile(const LinearBf16& p, const bf16_t* x, const bf16_t* w, bf16_t* y, const bf16_t* next, int next_rows,
               int next_step) {
   __m512 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t depth = p.in_features, whole = depth & ~int64_t{31};
   for (int64_t k = 0; k < whole; k += 32) {
     __m512bh w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + k);
     for (int j = 0; j < next_rows; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(next + j * next_step * p.ldw + k), _MM_HINT_T1);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512bh x_k = pairs(x + i * p.ldx + k);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
+      MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
     }
   }
   if (whole < depth) {
     const __mmask32 lanes = static_cast<__mmask32>((uint64_t{1} << (depth - whole)) - 1);
     __m512bh w_k[COLS];
-    for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + whole, lanes);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = pairs(w + j * p.ldw + whole, lanes);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512bh x_k = pairs(x + i * p.ldx + whole, lanes);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
+      MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x_k, w_k[j]);
     }
   }
   // The tile's ROWS·COLS sums across lanes, 16 at a time (sums16), rounded 16 at a time.
   constexpr int kSums = ROWS * COLS;
   alignas(64) bf16_t rounded[32];
-#pragma GCC unroll 2
-  for (int base = 0; base < kSums; base += 16) {
+  MOE_UNROLL for (int base = 0; base < kSums; base += 16) {
     __m512 v[16];
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t)
+    MOE_UNROLL for (int t = 0; t < 16; ++t)
       v[t] = base + t < kSums ? acc[(base + t) / COLS][(base + t) % COLS] : _mm512_setzero_ps();
     _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + base), to_bf16(sums16(v)));
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = rounded[i * COLS + j];
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) y[i * p.ldy + j] = rounded[i * COLS + j];
 }
 
 // The strip's tiles prefetch the next strip's rows (`next_rows` of them) into L2, line by line
@@ -1134,7 +1146,7 @@ void dot_one_row(const LinearBf16& p, int64_t first, int64_t last) {
   for (int64_t o0 = first; o0 < last; o0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, last - o0));
     __m512 v[16];
-    for (int t = 0; t < 16; ++t) {
+    MOE_UNROLL for (int t = 0; t < 16; ++t) {
       __m512 acc = _mm512_setzero_ps();
       if (t < n) {
         const bf16_t* w = p.w + (o0 + t) * p.ldw;
@@ -1203,17 +1215,17 @@ constexpr int64_t kGroupRows = 16;
 // layer forward (9 rounds) T = 256 fine 1.044×, Mixtral 1.039×, T = 2048 1.008 / 1.007×.
 inline void store_rows8(const __m256i (&cols)[8], bf16_t* y, int64_t ldy, int64_t n, __mmask8 mask) {
   __m256i a[8], b[8];
-  for (int k = 0; k < 4; ++k) {  // a[2k]: rows 0–3 of columns 2k, 2k+1 interleaved; a[2k+1]: rows 4–7
+  MOE_UNROLL for (int k = 0; k < 4; ++k) {  // a[2k]: rows 0–3 of columns 2k, 2k+1 interleaved; a[2k+1]: rows 4–7
     a[2 * k] = _mm256_unpacklo_epi16(cols[2 * k], cols[2 * k + 1]);
     a[2 * k + 1] = _mm256_unpackhi_epi16(cols[2 * k], cols[2 * k + 1]);
   }
-  for (int h = 0; h < 2; ++h) {  // b[4h..4h+3]: rows 4h + (0–1, 2–3) of columns 0–3, then of 4–7
+  MOE_UNROLL for (int h = 0; h < 2; ++h) {  // b[4h..4h+3]: rows 4h + (0–1, 2–3) of columns 0–3, then of 4–7
     b[4 * h] = _mm256_unpacklo_epi32(a[h], a[h + 2]);
     b[4 * h + 1] = _mm256_unpackhi_epi32(a[h], a[h + 2]);
     b[4 * h + 2] = _mm256_unpacklo_epi32(a[h + 4], a[h + 6]);
     b[4 * h + 3] = _mm256_unpackhi_epi32(a[h + 4], a[h + 6]);
   }
-  for (int i = 0; i < 8; ++i) {  // row i: its 4 columns of b[4h + q] and of b[4h + 2 + q]
+  MOE_UNROLL for (int i = 0; i < 8; ++i) {  // row i: its 4 columns of b[4h + q] and of b[4h + 2 + q]
     const int h = i / 4, q = (i % 4) / 2;
     const __m256i row = i % 2 == 0 ? _mm256_unpacklo_epi64(b[4 * h + q], b[4 * h + 2 + q])
                                    : _mm256_unpackhi_epi64(b[4 * h + q], b[4 * h + 2 + q]);
@@ -1236,30 +1248,26 @@ template <int V, int COLS>
 void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, const bf16_t* w, int64_t ldw, bf16_t* y,
                 int64_t ldy, int64_t rows, const bf16_t* next) {
   __m512 acc[COLS][V];
-#pragma GCC unroll 12
-  for (int j = 0; j < COLS; ++j)
-#pragma GCC unroll 3
-    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  MOE_UNROLL for (int j = 0; j < COLS; ++j)
+    MOE_UNROLL for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
   for (int64_t q = 0; q < pairs; ++q) {
     if (next != nullptr && (q & 15) < COLS)
       _mm_prefetch(reinterpret_cast<const char*>(next + (q & 15) * ldw + (q >> 4) * 32), _MM_HINT_T0);
     __m512bh x_v[V];
-    for (int v = 0; v < V; ++v) x_v[v] = (__m512bh)_mm512_loadu_si512(packed + v * group_words + q * kGroupRows);
-    for (int j = 0; j < COLS; ++j) {
+    MOE_UNROLL for (int v = 0; v < V; ++v)
+      x_v[v] = (__m512bh)_mm512_loadu_si512(packed + v * group_words + q * kGroupRows);
+    MOE_UNROLL for (int j = 0; j < COLS; ++j) {
       uint32_t pair;
       __builtin_memcpy(&pair, w + j * ldw + 2 * q, 4);
       const __m512bh w_j = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w_j, x_v[v]);
+      MOE_UNROLL for (int v = 0; v < V; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w_j, x_v[v]);
     }
   }
-#pragma GCC unroll 3
-  for (int v = 0; v < V; ++v)
-#pragma GCC unroll 2
-    for (int j0 = 0; j0 < COLS; j0 += 8) {
+  MOE_UNROLL for (int v = 0; v < V; ++v)
+    MOE_UNROLL for (int j0 = 0; j0 < COLS; j0 += 8) {
       if (v * kGroupRows >= rows) continue;  // (not a break: the loops unroll whole)
       __m256i cols[8];  // column j0 + j of the group's 16 rows, rounded
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) cols[j] = j0 + j < COLS ? to_bf16(acc[j0 + j][v]) : _mm256_setzero_si256();
+      MOE_UNROLL for (int j = 0; j < 8; ++j) cols[j] = j0 + j < COLS ? to_bf16(acc[j0 + j][v]) : _mm256_setzero_si256();
       store_rows8(cols, y + v * kGroupRows * ldy + j0, ldy, std::min<int64_t>(kGroupRows, rows - v * kGroupRows),
                   static_cast<__mmask8>((1u << std::min(8, COLS - j0)) - 1));
     }
@@ -1431,11 +1439,11 @@ __attribute__((noinline)) void tile_stores(const float* sums, int rows, bf16_t* 
   for (int i = 0; i < rows; ++i) {
     const float* row = sums + i * kGradPanel;
     if (cols == kGradPanel) {
-      for (int j = 0; j < 4; j += 2)
+      MOE_UNROLL for (int j = 0; j < 4; j += 2)
         store32<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), _mm512_load_ps(row + 16 * j + 16));
       continue;
     }
-    for (int j = 0; j < 4; ++j) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
       if (n == 16) store16<STREAM>(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j));
       else if (n > 0) store16(c + i * ldc + 16 * j, _mm512_load_ps(row + 16 * j), static_cast<__mmask16>((1u << n) - 1));
@@ -1458,15 +1466,11 @@ template <int ROWS, bool STREAM>
 inline void store_tile(const __m512 (&acc)[ROWS][4], bf16_t* c, int64_t ldc, int64_t cols) {
   if (cols == kGradPanel) {
     __mmask16 odd = 0;
-#pragma GCC unroll 6
-    for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) odd |= _mm512_fpclass_ps_mask(acc[i][j], kNanOrSubnormal);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+      MOE_UNROLL for (int j = 0; j < 4; ++j) odd |= _mm512_fpclass_ps_mask(acc[i][j], kNanOrSubnormal);
     if (odd == 0) {
-#pragma GCC unroll 6
-      for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 2
-        for (int j = 0; j < 4; j += 2) {
+      MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+        MOE_UNROLL for (int j = 0; j < 4; j += 2) {
           const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(acc[i][j + 1], acc[i][j]);
           if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(c + i * ldc + 16 * j), bits);
           else _mm512_storeu_si512(c + i * ldc + 16 * j, bits);
@@ -1475,10 +1479,8 @@ inline void store_tile(const __m512 (&acc)[ROWS][4], bf16_t* c, int64_t ldc, int
     }
   }
   alignas(64) float sums[ROWS][kGradPanel];
-#pragma GCC unroll 6
-  for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(sums[i] + 16 * j, acc[i][j]);
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j) _mm512_store_ps(sums[i] + 16 * j, acc[i][j]);
   tile_stores<STREAM>(&sums[0][0], ROWS, c, ldc, cols);
 }
 
@@ -1490,29 +1492,26 @@ template <int ROWS, bool FIRST, bool LAST>
 void grad_tile(const InputGradBf16& p, const uint32_t* panel, int64_t r, int64_t o0, int64_t depth, int64_t q,
                int64_t cols, float* sums, RowLines& ahead) {
   __m512 acc[ROWS][4];
-#pragma GCC unroll 6
-  for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r + i) * kGradPanel + 16 * j);
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j)
+      acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r + i) * kGradPanel + 16 * j);
   const bf16_t* g = p.a + r * p.lda + o0;
   for (int64_t pr = 0; pr < depth / 2; ++pr) {
     ahead.step();
     __m512bh w_p[4];
-    for (int j = 0; j < 4; ++j) w_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) w_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       uint32_t pair;
       __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
       const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
     }
   }
   if constexpr (LAST) {
     store_tile<ROWS, false>(acc, p.c + r * p.ldc + q, p.ldc, cols);
   } else {
-#pragma GCC unroll 6
-    for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + (r + i) * kGradPanel + 16 * j, acc[i][j]);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+      MOE_UNROLL for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + (r + i) * kGradPanel + 16 * j, acc[i][j]);
   }
 }
 
@@ -1592,8 +1591,8 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
   alignas(64) float b_part[WG ? ROWS * 64 : 1];
   if constexpr (WG) {
     if constexpr (ROWS < 4) {
-      for (int s = 0; s < ROWS; ++s)
-        for (int h = 0; h < 2; ++h) {
+      MOE_UNROLL for (int s = 0; s < ROWS; ++s)
+        MOE_UNROLL for (int h = 0; h < 2; ++h) {
           const __m512i v = _mm512_maskz_loadu_epi16(h ? m1 : m0, b + s * ldb + q + 32 * h);
           _mm512_store_ps(b_part + s * 64 + 32 * h, widen16(_mm512_castsi512_si256(v)));
           _mm512_store_ps(b_part + s * 64 + 32 * h + 16, widen16(_mm512_extracti64x4_epi64(v, 1)));
@@ -1603,8 +1602,9 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
     }
   }
   __m512 acc[ROWS][4];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j)
+      acc[i][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 64 + 16 * j);
   const int lines = cols > 32 ? 2 : 1;
   const bf16_t* g = p.a + o0;
   const bf16_t* a_o = WG ? a + o0 : nullptr;  // (the weight gradient's a: g, or other rows)
@@ -1625,30 +1625,31 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
     const __m512i a1 = _mm512_maskz_loadu_epi16(m1, even + 32), b1 = _mm512_maskz_loadu_epi16(m1, even + p.ldb + 32);
     const __m512bh w_p[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
                              (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       uint32_t pair;
       __builtin_memcpy(&pair, g + i * p.lda + 2 * pr, 4);
       const __m512bh g_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], g_i, w_p[j]);
     }
     // c's rows o0 + 2pr and o0 + 2pr + 1 over the strip
     if constexpr (WG) for (int t = 0; t < 2; ++t, c_row += ldc) {
       const int64_t o = 2 * pr + t;  // (within the chunk: a's column o0 + o)
       __m512 v[4];
       if constexpr (ROWS < 4) {
-        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; ++r) {
+        MOE_UNROLL for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        MOE_UNROLL for (int r = 0; r < ROWS; ++r) {
           const __m512 a_r = _mm512_set1_ps(widen(a_o[r * lda + o]));
-          for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
+          MOE_UNROLL for (int j = 0; j < 4; ++j)
+            v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
         }
       } else {
-        for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
-        for (int pp = 0; pp < kPairs; ++pp) {
+        MOE_UNROLL for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+        MOE_UNROLL for (int pp = 0; pp < kPairs; ++pp) {
           uint32_t pair = a_o[2 * pp * lda + o];
           if (2 * pp + 1 < ROWS) pair |= static_cast<uint32_t>(a_o[(2 * pp + 1) * lda + o]) << 16;
           const __m512bh a_pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
           const auto* b_pairs = reinterpret_cast<const uint32_t*>(b_part) + pp * 64;
-          for (int j = 0; j < 4; ++j)
+          MOE_UNROLL for (int j = 0; j < 4; ++j)
             v[j] = _mm512_dpbf16_ps(v[j], a_pp, (__m512bh)_mm512_load_si512(b_pairs + 16 * j));
         }
       }
@@ -1656,7 +1657,7 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
         store32<STREAM>(c_row, v[0], v[1]);
         store32<STREAM>(c_row + 32, v[2], v[3]);
       } else {
-        for (int j = 0; j < 4; ++j) {
+        MOE_UNROLL for (int j = 0; j < 4; ++j) {
           const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
           if (n == 16) store16<false>(c_row + 16 * j, v[j]);
           else if (n > 0) store16(c_row + 16 * j, v[j], static_cast<__mmask16>((1u << n) - 1));
@@ -1665,18 +1666,18 @@ void few_gradients_tile(const InputGradBf16& p, const bf16_t* a, int64_t lda, co
     }
   }
   if (!LAST) {
-    for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + i * 64 + 16 * j, acc[i][j]);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+      MOE_UNROLL for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + i * 64 + 16 * j, acc[i][j]);
     return;
   }
   const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < ROWS; ++i) {
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
     bf16_t* y = p.c + i * p.ldc + q;
-    for (int h = 0; h < 2; ++h) {
+    MOE_UNROLL for (int h = 0; h < 2; ++h) {
       const __m512 ordered[2] = {_mm512_permutex2var_ps(acc[i][2 * h], lower, acc[i][2 * h + 1]),
                                  _mm512_permutex2var_ps(acc[i][2 * h], upper, acc[i][2 * h + 1])};
-      for (int j = 0; j < 2; ++j) {
+      MOE_UNROLL for (int j = 0; j < 2; ++j) {
         const int64_t c0 = 32 * h + 16 * j, n = std::max<int64_t>(0, std::min<int64_t>(16, cols - c0));
         if (n == 16) store16<false>(y + c0, ordered[j]);
         else if (n > 0) store16(y + c0, ordered[j], static_cast<__mmask16>((1u << n) - 1));
@@ -1780,18 +1781,18 @@ bool grad_range(const InputGradBf16& p, int64_t first, int64_t last, const bf16_
 template <int ROWS, bool STREAM>
 void few_tile(const float* a, int64_t lda, const bf16_t* b, int64_t ldb, bf16_t* c, int64_t ldc, int64_t k) {
   __m512 acc[ROWS][4];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < k; ++s) {
     __m512 b_s[4];
-    for (int j = 0; j < 4; ++j) b_s[j] = load16(b + s * ldb + 16 * j);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) b_s[j] = load16(b + s * ldb + 16 * j);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512 a_i = _mm512_set1_ps(a[s * lda + i]);
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(a_i, b_s[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; j += 2) store32<STREAM>(c + i * ldc + 16 * j, acc[i][j], acc[i][j + 1]);
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; j += 2) store32<STREAM>(c + i * ldc + 16 * j, acc[i][j], acc[i][j + 1]);
 }
 
 template <bool STREAM>
@@ -1838,14 +1839,14 @@ template <int ROWS, bool STREAM>
 void wgrad_tile(const uint32_t* a_pairs, int64_t a_width, const uint32_t* panel, int64_t pairs, bf16_t* c,
                 int64_t ldc, int64_t cols) {
   __m512 acc[ROWS][4];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t pr = 0; pr < pairs; ++pr) {
     __m512bh b_p[4];
-    for (int j = 0; j < 4; ++j) b_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) b_p[j] = (__m512bh)_mm512_loadu_si512(panel + pr * kGradPanel + 16 * j);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512bh a_i = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pairs[pr * a_width + i]));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a_i, b_p[j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a_i, b_p[j]);
     }
   }
   store_tile<ROWS, STREAM>(acc, c, ldc, cols);
@@ -1932,12 +1933,12 @@ void few_gradients_f32_tile(const Matmul& ig, const float* a, int64_t lda, const
   const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
   auto lanes = [&](int j) -> __mmask16 { return j + 1 < vecs ? 0xFFFF : (j + 1 == vecs ? last : 0); };
   alignas(64) float b_part[ROWS * 64];
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j)
+  MOE_UNROLL for (int r = 0; r < ROWS; ++r)
+    MOE_UNROLL for (int j = 0; j < 4; ++j)
       _mm512_store_ps(b_part + r * 64 + 16 * j, _mm512_maskz_loadu_ps(lanes(j), b + r * ldb + q + 16 * j));
   __m512 acc[ROWS][4];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
+    MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   const float* w = ig.b + s0 * ig.ldb + q;
   float* c_row = c + s0 * ldc + q;
   for (int64_t s = 0; s < depth; ++s, w += ig.ldb, c_row += ldc) {
@@ -1948,23 +1949,24 @@ void few_gradients_f32_tile(const Matmul& ig, const float* a, int64_t lda, const
     if (ahead != nullptr)
       for (int l = 0; l < vecs; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * l), _MM_HINT_T1);
     __m512 w_s[4];
-    for (int j = 0; j < 4; ++j) w_s[j] = _mm512_maskz_loadu_ps(lanes(j), w + 16 * j);
-    for (int i = 0; i < ROWS; ++i) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) w_s[j] = _mm512_maskz_loadu_ps(lanes(j), w + 16 * j);
+    MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
       const __m512 g_i = _mm512_set1_ps(ig.a[i * ig.lda + s0 + s]);
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(g_i, w_s[j], acc[i][j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(g_i, w_s[j], acc[i][j]);
     }
     __m512 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) {
+    MOE_UNROLL for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_ps();
+    MOE_UNROLL for (int r = 0; r < ROWS; ++r) {
       const __m512 a_r = _mm512_set1_ps(a[r * lda + s0 + s]);
-      for (int j = 0; j < 4; ++j) v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
+      MOE_UNROLL for (int j = 0; j < 4; ++j)
+        v[j] = _mm512_fmadd_ps(a_r, _mm512_load_ps(b_part + r * 64 + 16 * j), v[j]);
     }
     for (int j = 0; j < vecs; ++j) {
       if (j + 1 < vecs || last == 0xFFFF) store16<STREAM>(c_row + 16 * j, v[j]);
       else store16(c_row + 16 * j, v[j], last);
     }
   }
-  for (int i = 0; i < ROWS; ++i)
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < vecs; ++j) {
       float* at = ig.c + i * ig.ldc + q + 16 * j;
       const __mmask16 m = lanes(j);
@@ -2030,9 +2032,9 @@ void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T*
   const int64_t O = ig.k;
   int64_t q = first;
   for (; q + 256 <= last; q += 256) {
-    for (int j = 0; j < 16; ++j) _mm512_store_ps(b_wide + 16 * j, load16(b + q + 16 * j));
+    MOE_UNROLL for (int j = 0; j < 16; ++j) _mm512_store_ps(b_wide + 16 * j, load16(b + q + 16 * j));
     __m512 acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    MOE_UNROLL for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
     const T* w = ig.b + q;
     T* c_o = c + q;
     for (int64_t o = 0; o < O; ++o, w += ig.ldb, c_o += ldc) {
@@ -2040,13 +2042,13 @@ void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T*
         for (int l = 0; l < 256 * int(sizeof(T)); l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w + kOneRowAhead * ig.ldb) + l, _MM_HINT_T1);
       const __m512 g_o = _mm512_set1_ps(ig.a[o]);
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(g_o, load16(w + 16 * j), acc[j]);
+      MOE_UNROLL for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(g_o, load16(w + 16 * j), acc[j]);
       const __m512 a_o = _mm512_set1_ps(a[o]);
-      for (int j = 0; j < 16; j += 2)
+      MOE_UNROLL for (int j = 0; j < 16; j += 2)
         store_two<STREAM>(c_o + 16 * j, _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j), _mm512_setzero_ps()),
                           _mm512_fmadd_ps(a_o, _mm512_load_ps(b_wide + 16 * j + 16), _mm512_setzero_ps()));
     }
-    for (int j = 0; j < 16; ++j) store16<false>(ig.c + q + 16 * j, acc[j]);
+    MOE_UNROLL for (int j = 0; j < 16; ++j) store16<false>(ig.c + q + 16 * j, acc[j]);
   }
   if (q < last) {
     // (c = aᵀ·b with a [1, O], b [1, last - q]: every row of c over these columns)
