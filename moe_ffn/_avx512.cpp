@@ -285,7 +285,13 @@ constexpr int64_t kMatmulRows = 96;
 // 32 rows 1024×1024 123 → 146, 1024×512 120 → 147, 1024×3584 126 → 163 (1.17–1.30×), 16 rows
 // 1.14–1.26×, 64 rows 1.11–1.16×, 128 rows 1.06–1.15×, 8 rows 1.04–1.06×. Not measured on
 // Intel's CPUs (where only small groups' input gradients run here).
-inline const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
+// noipa: GCC 12 otherwise propagated the thread_local panel's address into constant-argument
+// clones of the register tiles, each of which then fetched it with a __tls_get_addr call, a
+// call around which its 24 accumulators went to the stack and back (zeroed, stored, reloaded)
+// every tile. Zen 4 EPYC (2026-12-07), builds alternated in one process (pair ratios' median),
+// layer fp32 forward+backward: fine-grained T = 256 0.971× (9 rounds of 3 layers), T = 2048
+// 0.988× (3 of 2), Mixtral T = 256 0.986× (7 of 3), fine T = 16 level.
+__attribute__((noipa)) const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
   alignas(64) static thread_local float panel[kMatmulDepth * 64];
   for (int64_t s = 0; s < depth; ++s)
     MOE_UNROLL for (int j = 0; j < 4; ++j)
