@@ -1119,8 +1119,14 @@ AVX512_FORWARD_ROWS_AMD = (1, 40)
 # rounds alternated, GFLOP/s): 48 rows 138–173 against 106–138 (1.10–1.34×), 64 rows 156–178
 # against 130–159 (1.10–1.29×), 96 rows 1.00–1.21×, 128 rows 0.95–1.04×, 256 rows 0.87–1.00×:
 # there it stops at 96. Layer fp32 forward (9 rounds, against 40): Mixtral T = 256 (blocks of
-# ~64 rows) 0.92×, fine-grained T = 256 0.96×; rows to 128 level with 96.
-AVX512_FORWARD_ROWS_ZEN4 = (1, 96)
+# ~64 rows) 0.92×, fine-grained T = 256 0.96×; rows to 128 level with 96. Then to 512 rows
+# (2026-12-07), since the kernel's register tiles keep their accumulators in registers
+# (_avx512.cpp, MOE_UNROLL: its 4×6 tile had kept them in a stack array): layer float32 forward,
+# 96 → 512 in one process (pair ratios' medians, 3–10 rounds), blocks of ~128 rows (Mixtral T =
+# 512, fine-grained T = 1024) 0.923× / 0.912×, ~256 rows (Mixtral T = 1024, fine T = 2048)
+# 0.954× / 0.919×, ~512 rows (Mixtral T = 2048, fine T = 4096) 0.998× / 0.980×; fine T = 2048
+# forward+backward 0.973×; to 1024 rows (fine T = 8192) 1.010×: there it stops at 512.
+AVX512_FORWARD_ROWS_ZEN4 = (1, 512)
 
 
 def _avx512_forward_rows() -> tuple[int, int]:

@@ -118,7 +118,7 @@ def _onednn_max_rows() -> float:
 # 238 → 316, 517 rows 269 → 390. Parts of 64 or 128 rows left some counts worse (0.89×).
 # Weight gradients, whose rows are the inner dimension, run level at every count (MKL's float32
 # sgemm too) and stay whole. The rest is a second read of the weight: in `_linear_into` it goes
-# the way a block of its rows goes (float32 ones of 1–40 rows, 1–96 on Zen 4, to moe_ffn's
+# the way a block of its rows goes (float32 ones of 1–40 rows, 1–512 on Zen 4, to moe_ffn's
 # kernel: through oneDNN or the sgemm rules above they cost up to 4 ms against a 512-row head's
 # 18, and the float32 forward at T=2048 lost 5 %). Layer, interleaved A/B (5–9 rounds): Mixtral bf16 forward
 # at T=8192, its 16 products 417 → 395 ms (each at 909–918 GFLOP/s, from 753–928), the layer

@@ -843,6 +843,8 @@ def test_large_float32_forward_blocks_on_onednn_where_sgemm_runs_at_avx2_width(m
     if avx2_width and not _small_gemm._torch_on_avx512():
         pytest.skip("torch runs at AVX2 here: sgemm at AVX2 width on an AVX-512 CPU cannot be forced")
     monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: avx2_width)
+    # (the AVX-512 forward kernel below the 512-row head, which it would take on Zen 4)
+    monkeypatch.setattr(grouped._small_gemm, "_avx512_forward_rows", lambda: (1, 96))
     rows = []
     real = torch.ops.mkldnn._linear_pointwise
 

@@ -1018,7 +1018,7 @@ def test_avx512_linear_row_range_by_vendor(monkeypatch, amd, family):
     _needs_avx512_kernel()
     monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: amd)
     monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: family)
-    expected = {(True, 25): 96, (True, 26): 40, (False, 6): 64}[amd, family]
+    expected = {(True, 25): 512, (True, 26): 40, (False, 6): 64}[amd, family]
     hi = _small_gemm._avx512_forward_rows()[1]
     assert hi == expected
     w = torch.randn(24, 40)
