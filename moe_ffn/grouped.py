@@ -737,8 +737,8 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # rows rather than per expert: one call per group instead of one per expert (E = 64 experts of
 # a few rows each made the per-call cost dominate), while the group's temporaries stay bounded
 # (about _GROUP_ELEMENTS elements per [rows, H] temporary) instead of spanning all N rows.
-# A block is never cut to fit a group, only past _PIECE_ELEMENTS (see _groups). 2^20, where it
-# was 2^22 for both (forward+backward, A/B in one process, 9 rounds, 2-core Xeon), working
+# A block is never cut to fit a group, only past _PIECE_ELEMENTS (see _groups). The budget was
+# 2^20 for a while, where it had been 2^22 for both (forward+backward, A/B in one process, 9 rounds, 2-core Xeon), working
 # memory / time at T = 256 and 2048: fine-grained bf16 28.0 → 17.7 and 101.8 → 71.8 MiB, fp32
 # 33.4 → 24.7 and 136.6 → 88.9 MiB, Mixtral bf16 25.6 → 16.1 MiB at T=256, fp32 45.0 → 26.1
 # (at T=2048 Mixtral's blocks are larger than either budget: level), times within 0.98–1.03×;
@@ -751,26 +751,21 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # are not cut either way). Working memory of that bf16 forward+backward at T = 8192: 362 →
 # 427 MiB (the dense k·F block 336, with nn.Linear 688); Mixtral's blocks are cut from
 # 2340 rows on (T ≈ 9400), the fine-grained shape's from 16384.
-# The budget is a float32 temporary's (4 MiB): where the compute dtype has 2 bytes (bf16 on AMX
-# or AVX512-BF16 CPUs) a group takes twice the elements, since 2026-12-05. Why: the AMX blocks
-# entry points share a call's blocks among the threads only from two blocks a thread (_team.h,
-# each_block_shared), and Mixtral's 64-row blocks at T = 256 came two to a group. Same bits;
-# bf16 forward+backward, A/B in one process (2-core Xeon, 7–13 rounds), 2^20 → 2^21 elements:
-# Mixtral T = 256 / 1024 / 2048 1.088 / 1.035 / 1.000×, fine-grained T = 1024 / 2048 / 8192
-# 1.093 / 1.105 / 1.063× (0.981× in 3 rounds); float32 (not changed) fine T = 2048 1.015×,
-# Mixtral T = 256 1.006×. Working memory at T = 2048 (the benchmark's measure): fine-grained
-# bf16 77 → 84 MiB (the dense k·F block's 100), Mixtral bf16 91 either way.
-# Four times, since 2026-12-05 (later): a call of the AMX entry points with two blocks, one a
-# thread, ran 0.82–0.92× of one with four or more (fine-grained 1024×512 at 1024 rows, 64
-# blocks in calls of 2 / 4 / 64: 1911 / 2099 / 2230 GFLOP/s; the first projection with SwiGLU
-# 1725 / 1772 / 1873), and the fine-grained blocks at T = 8192 (1024 rows) came two to a group.
-# 2× → 4×, the same bits, A/B in one process (2-core Xeon, 7–15 rounds): fine-grained
-# forward T = 2048 / 8192 1.061 / 1.034×, forward+backward T = 1024 / 2048 / 4096 / 8192
-# 1.044 / 1.034 / 1.005 / 1.045×, Mixtral T = 2048 1.006× (its groups unchanged). Working
-# memory at T = 2048: fine-grained bf16 85 → 100 MiB (the dense block's 100; 8× would take
-# 165), Mixtral 91 either way.
-_GROUP_ELEMENTS = 1 << 20
-_TWO_BYTE_GROUP_FACTOR = 4
+# The same budget in elements for every compute dtype since 2026-12-07 (a float32 temporary's 16
+# MiB, a bf16 one's 8): before, float32 groups took 2^20 elements and bf16 ones four times as
+# many, the AMX entry points sharing a call's blocks among the threads only from two blocks a
+# thread (_team.h, each_block_shared: 2^20 → 2^21 → 2^22 for bf16 on the 2-core Xeon, 2026-12-05,
+# forward+backward fine-grained T = 2048 1.105× then 1.034×, Mixtral T = 256 1.088×; a call of
+# two blocks ran 0.82–0.92× of one of four or more; those ratios speed-ups). float32 on the Zen 4 EPYC, where moe_ffn's
+# AVX-512 kernels take its blocks, 2^20 → 2^22 elements, alternated in one process (medians of
+# pair ratios, the same bits): forward+backward fine-grained T = 1024 / 2048 / 8192 0.918 /
+# 0.935–0.944 / 0.944×, Mixtral T = 256 0.979×; forward fine-grained T = 2048 0.958× (fewer
+# calls: the input and weight gradients' kernels, the gathers and the elementwise passes each
+# ~3–12 ms a step less at T = 2048). Working memory at T = 2048 (the benchmark's measure):
+# fine-grained float32 153 → 200 MiB (its dense k·F block's 200), Mixtral's (its blocks each a
+# group either way) unchanged; bf16 unchanged (fine-grained 100 MiB; twice its budget put T =
+# 2048 in one group: 165 MiB, 0.958× the time).
+_GROUP_ELEMENTS = 1 << 22
 _PIECE_ELEMENTS = 1 << 24
 # A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
 # temporaries (a few MiB) cost a second round of kernel calls. bf16 forward+backward, A/B in one
@@ -782,12 +777,10 @@ _ONE_GROUP_FACTOR = 2
 
 
 def _groups(
-    blocks: list[tuple[int, int, int]], width: int, split: bool, itemsize: int = 4
+    blocks: list[tuple[int, int, int]], width: int, split: bool
 ) -> list[list[tuple[int, int, int]]]:
-    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows
-    (`_TWO_BYTE_GROUP_FACTOR` times that for a compute dtype of `itemsize` 2; a block larger
-    than that is a group of its own);
-    all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups' worth.
+    """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
+    larger than that is a group of its own); all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups' worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
     most that many rows (the same expert on consecutive row ranges), so that no temporary
@@ -800,8 +793,7 @@ def _groups(
         most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     total = sum(stop - start for _, start, stop in blocks) * width
-    group = _GROUP_ELEMENTS * (_TWO_BYTE_GROUP_FACTOR if itemsize <= 2 else 1)
-    budget = total if total <= _ONE_GROUP_FACTOR * group else group
+    budget = total if total <= _ONE_GROUP_FACTOR * _GROUP_ELEMENTS else _GROUP_ELEMENTS
     groups, current, rows = [], [], 0
     for block in blocks:
         if current and (rows + block[2] - block[1]) * width > budget:
@@ -1208,7 +1200,7 @@ def _ffn_forward(
     # fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048 level; working memory at T = 2048
     # unchanged (fine-grained 100, Mixtral 91 MiB).
     width = F_ if swiglu_in_product and _amx.swiglu_forward_takes(w1_EHD, blocks) else H
-    groups = _groups(blocks, width, split=False, itemsize=cdt.itemsize)
+    groups = _groups(blocks, width, split=False)
     most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
     if (
         token_N is not None and len(groups) == 1 and used == N and gated and b1_EH is None
@@ -1277,7 +1269,7 @@ def _ffn_forward(
                 h_gH[: last - first], x_src, w1_EHD, b1_EH, _within(group, first), cdt, token_g,
                 halves=_gate_up_apart(w1_EHD, gated, cdt),
             )
-        for piece in _groups(group, width, split=cdt == x.dtype, itemsize=cdt.itemsize):
+        for piece in _groups(group, width, split=cdt == x.dtype):
             lo, hi = piece[0][1], piece[-1][2]  # the piece's rows (not the group's)
             if a_gF is not None:
                 a_pF = a_gF[lo - first : hi - first]
@@ -1447,7 +1439,7 @@ def _ffn_backward(
         grad_w1, grad_w2 = x.new_empty(0, 0, 0), x.new_empty(0, 0, 0)
     grad_b1 = x.new_zeros(shape_w(E, H) if with_bias else (0, 0))
     grad_b2 = x.new_zeros(shape_w(E, D) if with_bias else (0, 0))
-    groups = _groups(blocks, H, split=cdt == dtype, itemsize=cdt.itemsize)
+    groups = _groups(blocks, H, split=cdt == dtype)
     one_call = (
         routed and need_x and need_w and need_weight and not with_bias and len(groups) == 1 and used == N
         and gated and canonical_activation(activation) == "silu"

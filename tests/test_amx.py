@@ -774,7 +774,7 @@ def test_bf16_forward_groups_are_counted_in_the_activation_width(monkeypatch):
 
     T, D, F = 48, 64, 96  # 96 rows: 9216 elements by F, 18432 by 2F
     monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)
-    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", T * 2 * F // grouped._TWO_BYTE_GROUP_FACTOR)
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", T * 2 * F)  # 96 rows by F
     calls = []
     real = _amx.routed_swiglu_blocks
     monkeypatch.setattr(_amx, "routed_swiglu_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -212,20 +212,17 @@ def test_experts_cut_into_pieces_give_the_same_outputs_and_gradients(monkeypatch
 
 def test_a_small_step_goes_in_one_group(monkeypatch):
     """Blocks of at most _ONE_GROUP_FACTOR budgets' worth in all form one group; past that,
-    groups of the budget (a 2-byte compute dtype's groups take four times the rows)."""
+    groups of the budget (the same number of elements for every compute dtype)."""
     monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 4 * 8)  # H = 8: 4 rows a group
     monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 2)
     blocks = [(0, 0, 3), (1, 3, 5), (2, 5, 8)]  # 8 rows: two budgets' worth
     assert grouped._groups(blocks, 8, split=False) == [blocks]
     more = blocks + [(3, 8, 9)]  # 9 rows
     assert grouped._groups(more, 8, split=False) == [[(0, 0, 3)], [(1, 3, 5)], [(2, 5, 8), (3, 8, 9)]]
-    # a 2-byte compute dtype: four times the rows (16 a group; all 9 rows in one)
-    assert grouped._TWO_BYTE_GROUP_FACTOR == 4
-    assert grouped._groups(more, 8, split=False, itemsize=2) == [more]
-    most = more + [(4, 9, 14), (5, 14, 20), (6, 20, 30), (7, 30, 36)]  # 36 rows: past two 16-row budgets
-    assert grouped._groups(most, 8, split=False, itemsize=2) == [
-        more + [(4, 9, 14)], [(5, 14, 20), (6, 20, 30)], [(7, 30, 36)]
-    ]
+    # by a width of 2: 16 rows a group, all 9 rows in one; 36 rows past two budgets
+    assert grouped._groups(more, 2, split=False) == [more]
+    most = more + [(4, 9, 14), (5, 14, 20), (6, 20, 30), (7, 30, 36)]
+    assert grouped._groups(most, 2, split=False) == [more + [(4, 9, 14)], [(5, 14, 20), (6, 20, 30)], [(7, 30, 36)]]
 
 
 @pytest.mark.parametrize("routed", [False, True])
