@@ -1521,8 +1521,14 @@ BF16_WEIGHT_GRAD_PACKED_FROM_ROWS = 4
 # 353 / 406 through its down projection: there it stops at 1024. Layer bf16 forward+backward
 # (in one process, the limit switched, pair ratios' medians, two runs of 5 and 8 rounds of 2
 # layers): Mixtral T = 2048 (blocks of ~512 rows) 0.975× / 0.970×, fine-grained T = 2048 (~256,
-# some past 320) 0.960× / 0.988×, T = 8192 (~1024, 3 rounds) 0.984×.
-BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 = 1024
+# some past 320) 0.960× / 0.988×, T = 8192 (~1024, 3 rounds) 0.984×. Then to 1536 (2026-12-07,
+# later: blocks just past 1024 rows went to torch): per product as above, kernel / torch, 1152
+# rows fine-grained w2 / w1 410 / 368 and 422 / 380, Mixtral 411 / 373 and 426 / 369; 1536 rows
+# 424 / 397, 423 / 405, 414 / 404, 431 / 414; 2048 rows Mixtral's down projection still behind
+# (386 / 404). Layer bf16 forward+backward (limit switched in one process, 4 rounds of 2
+# layers): fine-grained T = 8192 (blocks of ~1024 ± 32 rows) 0.973× (to 1280) and 0.989× (to
+# 1536), Mixtral T = 4096 (~1024 ± 45) 0.977×.
+BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 = 1536
 
 
 def bf16_weight_grad_max_rows() -> int:
