@@ -463,6 +463,9 @@ struct LinearOf {
   T* y;  // [rows, O], rows ldy apart
   int64_t ldy;
   int64_t rows, in_features;
+  // Where given (the bf16 forward only), row r of the block is x's row index[r] (x then the
+  // tokens' rows, not the block's): the kernel gathers the rows as it packs them.
+  const int64_t* index = nullptr;
 };
 // The float32 forward takes I's elements `chunk` at a time: each tile's sums over a chunk
 // reduced across lanes and stored, later chunks' added to them (the caller chooses: the sums
@@ -1279,16 +1282,37 @@ void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, cons
     }
 }
 
+// Row r of the block's x (p.index: see LinearOf).
+inline const bf16_t* x_row(const LinearBf16& p, int64_t r) { return p.x + (p.index ? p.index[r] : r) * p.ldx; }
+
 // x's rows [r0, r0 + rows) (rows ≤ kGroupRows) packed as above, tail rows zero.
 void pack_rows(const LinearBf16& p, int64_t r0, int64_t rows, uint32_t* packed) {
   const int64_t pairs = p.in_features / 2;
-  const bf16_t* x = p.x + r0 * p.ldx;
+  const bf16_t* x[kGroupRows];
+  for (int64_t r = 0; r < rows; ++r) x[r] = x_row(p, r0 + r);
   for (int64_t q = 0; q < pairs; ++q) {  // (written in order, the group's rows read side by side)
     uint32_t* out = packed + q * kGroupRows;
     int64_t r = 0;
-    for (; r < rows; ++r) __builtin_memcpy(out + r, x + r * p.ldx + 2 * q, 4);
+    for (; r < rows; ++r) __builtin_memcpy(out + r, x[r] + 2 * q, 4);
     for (; r < kGroupRows; ++r) out[r] = 0;
   }
+}
+
+// p with rows [r0, r0 + rows) of its x copied into `rows_at` [rows, in_features] (where p.index
+// is given: the dot-product tiles read x's rows at a stride), for the rows' own product.
+LinearBf16 rows_of(const LinearBf16& p, int64_t r0, int64_t rows, bf16_t* rows_at) {
+  LinearBf16 q = p;
+  q.rows = rows;
+  q.y += r0 * p.ldy;
+  if (p.index == nullptr) {
+    q.x += r0 * p.ldx;
+    return q;
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(rows_at + r * p.in_features, x_row(p, r0 + r), 2 * p.in_features);
+  q.x = rows_at;
+  q.ldx = p.in_features;
+  q.index = nullptr;
+  return q;
 }
 
 // The last n (< 24 / V) of a strip's rows of w: one tile of exactly n.
@@ -1337,14 +1361,14 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
   const bool tail_on_dots = full >= 2 && tail > 0 && tail <= kDotTail;
   const int64_t pairs = p.in_features / 2;
   const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
-  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * pairs * kGroupRows * groups));
+  const int64_t packed_words = pairs * kGroupRows * groups;  // (then the tail's gathered rows, where p.index is)
+  const int64_t tail_words = tail_on_dots && p.index ? (tail * p.in_features + 1) / 2 : 0;
+  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * (packed_words + tail_words)));
   if (packed == nullptr) return false;
   for (int64_t g = 0; g < groups; ++g)
     pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
-  LinearBf16 rest = p;  // the tail's rows, for the dot-product tiles
-  rest.x += full * kGroupRows * p.ldx;
-  rest.y += full * kGroupRows * p.ldy;
-  rest.rows = tail;
+  // the tail's rows, for the dot-product tiles
+  const LinearBf16 rest = rows_of(p, full * kGroupRows, tail_on_dots ? tail : 0, reinterpret_cast<bf16_t*>(packed + packed_words));
   for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
     const int64_t o1 = std::min(last, o0 + kChunkCols);
     const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1
@@ -2096,22 +2120,56 @@ extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
 
 // The blocks' forward products (table and checks as the bf16 entry points above); -1 where the
 // CPU lacks AVX512_BF16.
+namespace {
+
+// The bf16 forward's blocks (index: see LinearOf; else x's rows are the blocks' rows).
+int linear_blocks_bf16(const bf16_t* x, int64_t ldx, const int64_t* index, const bf16_t* w, int64_t experts,
+                       int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy, const int64_t* blocks, int64_t count,
+                       int64_t out_features, int64_t in_features, int threads, void* parallel, void* thread_num,
+                       void* num_threads) {
+  if (!bf16_ready() || out_features < 0 || in_features < 1 || threads < 1) return -1;
+  return over_blocks(blocks, count, experts, out_features, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
+                       const LinearBf16 p{index ? x : x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy,
+                                          ldy, stop - start, in_features, index ? index + start : nullptr};
+                       if (p.rows <= kDotMaxRows || in_features % 2) {
+                         // (gathered first where p.index is: the dot tiles read rows at a stride)
+                         void* rows_at = p.index ? moe_ffn_team::thread_scratch(2 * p.rows * in_features) : nullptr;
+                         if (p.index && rows_at == nullptr) return false;
+                         dot_range(rows_of(p, 0, p.rows, static_cast<bf16_t*>(rows_at)), first, last);
+                         return true;
+                       }
+                       return outer_range(p, first, last);
+                     });
+}
+
+}  // namespace
+
 extern "C" int moe_ffn_avx512_linear_blocks_bf16(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t experts,
                                                  int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy,
                                                  const int64_t* blocks, int64_t count, int64_t out_features,
                                                  int64_t in_features, int threads, void* parallel, void* thread_num,
                                                  void* num_threads) {
-  if (!bf16_ready() || out_features < 0 || in_features < 1 || threads < 1) return -1;
-  return over_blocks(blocks, count, experts, out_features, 6, 24, threads, parallel, thread_num, num_threads,
-                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
-                       const LinearBf16 p{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy,
-                                          stop - start, in_features};
-                       if (p.rows <= kDotMaxRows || in_features % 2) {
-                         dot_range(p, first, last);
-                         return true;
-                       }
-                       return outer_range(p, first, last);
-                     });
+  return linear_blocks_bf16(x, ldx, nullptr, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features,
+                            in_features, threads, parallel, thread_num, num_threads);
+}
+
+// The same with the blocks' rows taken from the tokens' rows: row n of the blocks is x's row
+// index[n] (x [tokens, I]), gathered as the tiles pack them, where a gather beforehand wrote a
+// [rows, I] copy for them to read back. -1 (nothing written) where an index of a block's rows
+// lies outside [0, tokens), or as above.
+extern "C" int moe_ffn_avx512_linear_rows_bf16(const bf16_t* x, int64_t ldx, int64_t tokens, const int64_t* index,
+                                               const bf16_t* w, int64_t experts, int64_t w_expert, int64_t ldw,
+                                               bf16_t* y, int64_t ldy, const int64_t* blocks, int64_t count,
+                                               int64_t out_features, int64_t in_features, int threads,
+                                               void* parallel, void* thread_num, void* num_threads) {
+  for (int64_t b = 0; b < count; ++b) {
+    if (blocks[4 * b + 1] < 0) return -1;
+    for (int64_t n = blocks[4 * b + 1]; n < blocks[4 * b + 2]; ++n)
+      if (index[n] < 0 || index[n] >= tokens) return -1;
+  }
+  return linear_blocks_bf16(x, ldx, index, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features,
+                            in_features, threads, parallel, thread_num, num_threads);
 }
 
 extern "C" int moe_ffn_amx_swiglu_bf16(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t rows,

@@ -1125,6 +1125,9 @@ def _forward_blocks(
     if not rest:
         return
     if token_n is not None:
+        # the bf16 forward kernel (AVX512-BF16 CPUs without AMX) reads the tokens' rows by index
+        if b_EO is None and rest is blocks and _small_gemm.linear_blocks(x, w_EOI, blocks, out=out, index=token_n) is not None:
+            return
         x = _rows(x, token_n, 0, token_n.shape[0])
     if b_EO is None and rest is blocks:
         if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out) is not None:

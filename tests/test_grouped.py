@@ -1021,3 +1021,42 @@ def test_routed_bf16_result_is_the_float32_sum_rounded_once_in_the_op(monkeypatc
     y32.to(torch.bfloat16).backward(g)
     for a, b in zip(new, old):
         assert a.grad.dtype == b.grad.dtype and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("T, K", [(40, 2), (300, 4)])
+def test_bf16_forward_reads_the_tokens_rows_by_index(monkeypatch, T, K):
+    """On AVX512-BF16 CPUs without AMX the routed bf16 forward's first projection reads the
+    tokens' rows by index (`_small_gemm.linear_blocks(..., index=)`): no gathered copy of x is
+    made for it, and the output (inference and training, with its gradients) is bit for bit
+    what the gathered rows give."""
+    if _small_gemm._bf16_linear_rows_entry_point() is None:
+        pytest.skip("no AVX512-BF16 forward kernel here (not an AVX512-BF16 CPU without AMX, or not built)")
+    torch.manual_seed(T)
+    E, D, F = 6, 64, 48
+    x = torch.randn(T, D).bfloat16()
+    w1, w2 = (torch.randn(E, 2 * F, D) / 8).bfloat16(), (torch.randn(E, D, F) / 8).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    order = ids.flatten().argsort(stable=True)
+    token = (order // K).contiguous()
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    weight = torch.rand(T * K)[order].contiguous()
+    gathers = []
+    real_rows = grouped._rows
+    monkeypatch.setattr(grouped, "_rows", lambda t, *a: gathers.append(t.shape) or real_rows(t, *a))
+
+    def run():
+        with torch.no_grad():
+            inference = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
+        xg, w1g, w2g = (t.clone().requires_grad_() for t in (x, w1, w2))
+        out = routed_ffn(xg, w1g, w2g, counts, token, weight, activation="silu", gated=True)
+        out.float().square().sum().backward()
+        return inference, out.detach(), xg.grad, w1g.grad, w2g.grad
+
+    by_index = run()
+    forward_gathers = len(gathers)
+    monkeypatch.setattr(_small_gemm, "_bf16_linear_rows_entry_point", lambda: None)
+    gathers.clear()
+    gathered = run()
+    assert len(gathers) == forward_gathers + 2  # (one gather of x per forward, inference and training)
+    for a, b in zip(by_index, gathered):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

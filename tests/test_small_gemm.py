@@ -1268,6 +1268,57 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
     assert wide[50].isnan().all() and wide[:, 0].isnan().all() and wide[:, O + 1 :].isnan().all()
 
 
+@pytest.mark.parametrize("shape", [(7, 50), (100, 1024), (40, 3584), (24, 33)])
+def test_bf16_forward_by_index_reads_the_tokens_rows(shape):
+    """With `index` the blocks' rows are x[index[n]], read by the kernel as it packs them (the
+    dot-product tiles' rows gathered first): blocks of 1 to BF16_FORWARD_MAX_ROWS rows (the dot
+    tiles to 24, groups of 16 with a tail on the dot tiles at 33 and 41, 48 with none, 1024;
+    an odd I: the dot tiles at every size), tokens repeated and out of order, into a slice of a
+    wider tensor: each block within one rounding of float64's product of the tokens' rows, bit
+    for bit what the blocks make from a gathered copy, rows outside the blocks untouched."""
+    _needs_bf16_blocks()
+    O, I = shape
+    T, most = 50, _small_gemm.BF16_FORWARD_MAX_ROWS
+    sizes = [1, 24, 33, 41, 48, most, 5]
+    blocks, start = [], 0
+    for e, n in enumerate(sizes):
+        blocks.append((e % 3, start, start + n))
+        start += n + (1 if e == 2 else 0)  # (a row after the third block no block has)
+    torch.manual_seed(13)
+    x, w = torch.randn(T, I).bfloat16(), torch.randn(3, O, I).bfloat16()
+    index = torch.randint(0, T, (start,))
+    wide = torch.full((start, O + 5), float("nan"), dtype=torch.bfloat16)
+    out = wide[:, 2 : O + 2]
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out, index=index) is out
+    gathered = _small_gemm.linear_blocks(x[index].contiguous(), w, blocks)
+    for e, first, stop in blocks:
+        rows = x[index[first:stop]].double()
+        exact = rows @ w[e].double().t()
+        _bf16_within_one_rounding(out[first:stop], exact, _bound(rows.abs(), w[e].double().abs().t(), I))
+        assert torch.equal(out[first:stop].view(torch.int16), gathered[first:stop].view(torch.int16))
+    unused = blocks[2][2]
+    assert wide[unused].isnan().all() and wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
+
+
+def test_bf16_forward_by_index_checks_the_indices():
+    """An index of a block's rows outside x's rows is a ValueError naming the range, nothing
+    written; an index past the blocks' rows is not read; a float32 x or an int32 index is
+    declined (None) for the caller to gather."""
+    _needs_bf16_blocks()
+    x, w = torch.randn(10, 64).bfloat16(), torch.randn(2, 8, 64).bfloat16()
+    out = torch.full((4, 8), 7.0, dtype=torch.bfloat16)
+    for bad in (10, -1):
+        with pytest.raises(ValueError, match=r"must lie in \[0, 10\), got"):
+            _small_gemm.linear_blocks(x, w, [(1, 0, 4)], out=out, index=torch.tensor([0, 3, bad, 9]))
+        assert bool((out == 7).all())
+    y = _small_gemm.linear_blocks(x, w, [(1, 0, 3)], out=out, index=torch.tensor([9, 0, 4, 1000]))
+    assert y is out and bool((out[3] == 7).all())
+    exact = x[[9, 0, 4]].double() @ w[1].double().t()
+    _bf16_within_one_rounding(out[:3], exact, _bound(x[[9, 0, 4]].double().abs(), w[1].double().abs().t(), 64))
+    assert _small_gemm.linear_blocks(x.float(), w.float(), [(1, 0, 3)], index=torch.tensor([0, 1, 2])) is None
+    assert _small_gemm.linear_blocks(x, w, [(1, 0, 3)], index=torch.tensor([0, 1, 2], dtype=torch.int32)) is None
+
+
 @pytest.mark.parametrize("rows", [5, 8, 13, 17, 24, 25])
 def test_bf16_forward_blocks_to_24_rows_sum_on_the_dot_product_tiles(rows):
     """Blocks of up to 24 rows take the dot-product tiles: each of the 16 lanes sums every 16th
@@ -1708,7 +1759,10 @@ def _per_block(monkeypatch):
     """The layer's loop over the blocks in Python (each product through its single-block entry
     point), as where the *_blocks entry points decline; the decode path's linear_blocks stays."""
     linear_blocks = _small_gemm.linear_blocks
-    monkeypatch.setattr(_small_gemm, "linear_blocks", lambda x, w, blocks, out=None: None if out is not None else linear_blocks(x, w, blocks))
+    monkeypatch.setattr(
+        _small_gemm, "linear_blocks",
+        lambda x, w, blocks, out=None, index=None: None if out is not None else linear_blocks(x, w, blocks, index=index),
+    )
     monkeypatch.setattr(_small_gemm, "input_grad_blocks", lambda *args: False)
     monkeypatch.setattr(_small_gemm, "weight_grad_blocks", lambda *args: False)
 
@@ -2750,8 +2804,8 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
     linear, weight_grad = _small_gemm.avx512_linear_into, _small_gemm.avx512_weight_grad_into
     blocks_call = _small_gemm.linear_blocks
 
-    def counted_blocks(x, w, blocks, out=None):
-        y = blocks_call(x, w, blocks, out=out)
+    def counted_blocks(x, w, blocks, out=None, index=None):
+        y = blocks_call(x, w, blocks, out=out, index=index)
         if y is not None and x.dtype == torch.float32:
             ran["linear"] += len(blocks)
         return y
@@ -2797,8 +2851,8 @@ def test_float32_forward_sends_its_small_blocks_in_one_call_and_the_rest_one_by_
     calls = []
     blocks_call = _small_gemm.linear_blocks
 
-    def spy(x_, w_, blocks, out=None):
-        y = blocks_call(x_, w_, blocks, out=out)
+    def spy(x_, w_, blocks, out=None, index=None):
+        y = blocks_call(x_, w_, blocks, out=out, index=index)
         calls.append((w_.shape[1], [stop - start for _, start, stop in blocks], y is not None))
         return y
 
