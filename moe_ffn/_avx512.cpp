@@ -64,6 +64,9 @@ struct WeightGradOf {
   int64_t ldc;
   int64_t k, m, n;
   bool accumulate, stream;
+  // Where given (the bf16 packed weight gradient only), b's row r is b's row b_index[r] (b then
+  // the tokens' rows): gathered as b's panels are packed.
+  const int64_t* b_index = nullptr;
 };
 using WeightGrad = WeightGradOf<float, float, float>;
 
@@ -1413,20 +1416,25 @@ using InputGradBf16 = MatmulOf<bf16_t, bf16_t, bf16_t>;
 // once (a panel at a time read 128 bytes of each row, 2 KiB apart, and spent more time than the
 // products: perf, 32-row blocks), the rows kPackAhead pairs on prefetched (src comes from memory)
 // into L2 (see RowLines).
+// With `index`, src's row r is its row index[r] (the tokens' rows, gathered as they are packed).
 void pack_pairs(const bf16_t* src, int64_t ld, int64_t r0, int64_t depth, int64_t first, int64_t last, int64_t width,
-                int64_t panel_words, uint32_t* panels) {
+                int64_t panel_words, uint32_t* panels, const int64_t* index = nullptr) {
   const __m512i lower = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i upper = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const int64_t pairs = (depth + 1) / 2, end = first + (last - first + width - 1) / width * width;
+  auto row = [&](int64_t r) { return src + (index ? index[r] : r) * ld; };
   for (int64_t pr = 0; pr < pairs; ++pr) {
-    const bf16_t* even = src + (r0 + 2 * pr) * ld;
-    const bf16_t* odd = even + ld;
     const bool has_odd = 2 * pr + 1 < depth;
-    if (2 * (pr + kPackAhead) + 1 < depth)
+    const bf16_t* even = row(r0 + 2 * pr);
+    const bf16_t* odd = has_odd ? row(r0 + 2 * pr + 1) : even;
+    if (2 * (pr + kPackAhead) + 1 < depth) {
+      const bf16_t* even_ahead = row(r0 + 2 * (pr + kPackAhead));
+      const bf16_t* odd_ahead = row(r0 + 2 * (pr + kPackAhead) + 1);
       for (int64_t q = first; q < last; q += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(even + 2 * kPackAhead * ld + q), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(odd + 2 * kPackAhead * ld + q), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(even_ahead + q), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(odd_ahead + q), _MM_HINT_T1);
       }
+    }
     for (int64_t q = first; q < end; q += 32) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, last - q));
       const __mmask32 lanes = static_cast<__mmask32>(n == 32 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
@@ -1909,7 +1917,7 @@ bool wgrad_range(const WeightGradBf16& p, int64_t first, int64_t last) {
   if (scratch == nullptr) return false;
   uint32_t* b_panels = scratch + pairs * a_width;
   pack_pairs(p.a, p.lda, 0, p.k, first, last, a_width, 0, scratch);
-  pack_pairs(p.b, p.ldb, 0, p.k, 0, p.n, kGradPanel, panel_words, b_panels);
+  pack_pairs(p.b, p.ldb, 0, p.k, 0, p.n, kGradPanel, panel_words, b_panels, p.b_index);
   for (int64_t r = first; r < last; r += 6) {
     const int64_t rows = std::min<int64_t>(6, last - r);
     if (p.stream) wgrad_strip<true>(scratch + (r - first), a_width, rows, b_panels, panel_words, pairs, p, r);
@@ -2250,6 +2258,31 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_bf16_packed(const bf16_t* a, in
                      [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
                        const WeightGradBf16 p{a + start * lda, lda, b + start * ldb, ldb, c + e * c_expert, ldc,
                                               stop - start, m, n, false, stream != 0};
+                       return first >= last || n == 0 || wgrad_range(p, first, last);
+                     });
+}
+
+// The same with b's rows taken from the tokens' rows: row r of the blocks is b's row
+// b_index[r] (b [tokens, n]), gathered as b's panels are packed, where a gather beforehand
+// wrote a [rows, n] copy for them to read back. -1 (nothing written) where an index of a
+// block's rows lies outside [0, tokens), or as above.
+extern "C" int moe_ffn_avx512_weight_grad_rows_bf16_packed(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb,
+                                                           int64_t tokens, const int64_t* b_index, bf16_t* c,
+                                                           int64_t experts, int64_t c_expert, int64_t ldc,
+                                                           const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                                                           int stream, int threads, void* parallel, void* thread_num,
+                                                           void* num_threads) {
+  if (!bf16_ready() || m < 0 || n < 0 || threads < 1) return -1;
+  for (int64_t i = 0; i < count; ++i) {
+    if (blocks[4 * i + 1] < 0) return -1;
+    for (int64_t r = blocks[4 * i + 1]; r < blocks[4 * i + 2]; ++r)
+      if (b_index[r] < 0 || b_index[r] >= tokens) return -1;
+  }
+  return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
+                       const WeightGradBf16 p{a + start * lda, lda,        b,     ldb,   c + e * c_expert,
+                                              ldc,             stop - start, m,   n,     false,
+                                              stream != 0,     b_index + start};
                        return first >= last || n == 0 || wgrad_range(p, first, last);
                      });
 }

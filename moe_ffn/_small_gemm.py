@@ -1878,13 +1878,20 @@ def few_row_gradients(
 
 
 def bf16_weight_grad_blocks(
-    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool],
+    b_index: Optional[Tensor] = None,
 ) -> bool:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] for every block (e, start, stop), all bf16,
     written over (old contents not read), each result rounded to bf16 once: blocks from
     BF16_WEIGHT_GRAD_PACKED_FROM_ROWS to `bf16_weight_grad_max_rows()` rows in one call of the
     packed-pairs kernel, the others in one call of the widening kernel; returns whether it ran
-    (when False, `out_EMN` is untouched: also where any block accumulates)."""
+    (when False, `out_EMN` is untouched: also where any block accumulates).
+
+    b_index (int64 [rows]): row n of the blocks' b is b[b_index[n]] (b the tokens' rows),
+    gathered as the packed kernel packs it; only where every block goes to that kernel (else
+    False: the caller gathers). ValueError where an index of the blocks' rows lies outside b."""
+    if b_index is not None:
+        return _weight_grad_rows(out_EMN, a, b, blocks, accumulate, b_index)
     found = (
         _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate, most=bf16_weight_grad_max_rows())
         if out_EMN.dim() == 3 else None
@@ -1911,6 +1918,64 @@ def bf16_weight_grad_blocks(
             found[0][4], large, [False] * len(large), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), *out, *team
         )
     return True
+
+
+# The packed bf16 weight gradient reading b's rows from the tokens' rows by index
+# (moe_ffn_avx512_weight_grad_rows_bf16_packed): grouped.py's backward had gathered x's rows into
+# a [rows, D] copy for it (`_rows`), as it did for the forward (see _linear_rows); the same bits.
+# Zen 4 EPYC (2026-12-07), with the forward's already by index, the library with and without
+# this alternated in one process (pair ratios' medians, 5-15 rounds), layer bf16
+# forward+backward: fine-grained T = 256 0.969×, T = 2048 0.987 / 0.986×, Mixtral T = 256
+# 0.981×, T = 2048 1.005× (level). A group with decode-sized blocks (the one-pass kernels) or
+# blocks this kernel does not take still gathers.
+def _weight_grad_rows(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, accumulate: list[bool], b_index: Tensor
+) -> bool:
+    if not (
+        out_EMN.dim() == 3 and b.dim() == 2 and b.stride(1) == 1 and b_index.dtype == torch.int64
+        and b_index.dim() == 1 and b_index.is_contiguous() and b_index.device == b.device
+        and all(stop - start >= BF16_WEIGHT_GRAD_PACKED_FROM_ROWS for _, start, stop in blocks)
+    ):
+        return False
+    entry = _bf16_weight_grad_rows_entry_point()
+    found = _bf16_blocks_kernel((a, b), out_EMN, blocks, accumulate, most=bf16_weight_grad_max_rows())
+    if entry is None or found is None:
+        return False
+    E, M, N = out_EMN.shape
+    rows = max(stop for _, _, stop in blocks)
+    if (
+        a.dim() != 2 or a.shape[1] != M or b.shape[1] != N or a.shape[0] < rows or b_index.shape[0] < rows
+        or len(accumulate) != len(blocks) or min(blk[1] for blk in blocks) < 0
+    ):
+        raise ValueError(f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by "
+                         f"index {tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks "
+                         "do not fit")
+    _check_blocks("bf16_weight_grad_blocks", blocks, rows, E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
+    low, high = (int(v) for v in b_index[:rows].aminmax())
+    if low < 0 or high >= b.shape[0]:
+        raise ValueError(f"bf16_weight_grad_blocks: the blocks' row indices must lie in [0, {b.shape[0]}), got {low} to {high}")
+    table, address, count = _block_table(blocks)
+    if entry(
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,
+        out_EMN.stride(0), out_EMN.stride(1), address, count, M, N, int(_streamed_gradients(out_EMN)),
+        torch.get_num_threads(), *found[1],
+    ) != 0:
+        raise RuntimeError(f"bf16_weight_grad_blocks: the kernel failed on {count} blocks (out of memory?)")
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_weight_grad_rows_entry_point():
+    """moe_ffn_avx512_weight_grad_rows_bf16_packed where the bf16 blocks entry points run; else None."""
+    if _bf16_blocks_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_weight_grad_rows_bf16_packed")
+    if points is None:
+        return None
+    (entry,) = points
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    entry.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr]
+    return entry
 
 
 def _product(

@@ -1558,6 +1558,10 @@ def _ffn_backward(
         if need_w and not with_bias and routed and x.dtype == cdt == torch.bfloat16:
             # (the AMX kernel, the first of _weight_grad_blocks' to take a bf16 a, gathers x's rows)
             w_done = _amx_weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_token=token_N[first:last])
+            if not any(w_done) and not (need_x and _small_gemm.one_pass_here(w1_EHD, within)) and (
+                _small_gemm.bf16_weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_index=token_N[first:last])
+            ):  # AVX512-BF16 CPUs without AMX: the packed kernel gathers them likewise (all blocks or none)
+                w_done = [True] * len(group)
         both = none  # blocks whose two gradients through w1 one call wrote
         if need_w and not all(w_done):
             x_gD = _rows(x, token_N, first, last).to(cdt)

@@ -1024,39 +1024,43 @@ def test_routed_bf16_result_is_the_float32_sum_rounded_once_in_the_op(monkeypatc
 
 
 @pytest.mark.parametrize("T, K", [(40, 2), (300, 4)])
-def test_bf16_forward_reads_the_tokens_rows_by_index(monkeypatch, T, K):
-    """On AVX512-BF16 CPUs without AMX the routed bf16 forward's first projection reads the
-    tokens' rows by index (`_small_gemm.linear_blocks(..., index=)`): no gathered copy of x is
-    made for it, and the output (inference and training, with its gradients) is bit for bit
-    what the gathered rows give."""
-    if _small_gemm._bf16_linear_rows_entry_point() is None:
-        pytest.skip("no AVX512-BF16 forward kernel here (not an AVX512-BF16 CPU without AMX, or not built)")
+def test_bf16_layer_reads_the_tokens_rows_by_index(monkeypatch, T, K):
+    """On AVX512-BF16 CPUs without AMX the routed bf16 layer's first projection and its weight
+    gradient read the tokens' rows by index (`_small_gemm.linear_blocks(..., index=)`,
+    `bf16_weight_grad_blocks(..., b_index=)`): no gathered copy of x is made for either, and the
+    output (inference and training) and every gradient are bit for bit what the gathered rows
+    give."""
+    if _small_gemm._bf16_linear_rows_entry_point() is None or _small_gemm._bf16_weight_grad_rows_entry_point() is None:
+        pytest.skip("no AVX512-BF16 kernels here (not an AVX512-BF16 CPU without AMX, or not built)")
     torch.manual_seed(T)
     E, D, F = 6, 64, 48
     x = torch.randn(T, D).bfloat16()
     w1, w2 = (torch.randn(E, 2 * F, D) / 8).bfloat16(), (torch.randn(E, D, F) / 8).bfloat16()
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ids = (torch.arange(T)[:, None] + torch.arange(K)[None, :]) % E  # (every expert 13-200 rows: none decode-sized)
     order = ids.flatten().argsort(stable=True)
     token = (order // K).contiguous()
     counts = torch.bincount(ids.flatten(), minlength=E)
     weight = torch.rand(T * K)[order].contiguous()
     gathers = []
     real_rows = grouped._rows
-    monkeypatch.setattr(grouped, "_rows", lambda t, *a: gathers.append(t.shape) or real_rows(t, *a))
+    monkeypatch.setattr(grouped, "_rows", lambda t, *a: gathers.append(t.data_ptr()) or real_rows(t, *a))
 
     def run():
+        gathers.clear()
         with torch.no_grad():
             inference = routed_ffn(x, w1, w2, counts, token, weight, activation="silu", gated=True)
         xg, w1g, w2g = (t.clone().requires_grad_() for t in (x, w1, w2))
         out = routed_ffn(xg, w1g, w2g, counts, token, weight, activation="silu", gated=True)
         out.float().square().sum().backward()
-        return inference, out.detach(), xg.grad, w1g.grad, w2g.grad
+        of_x = sum(ptr in (x.data_ptr(), xg.data_ptr()) for ptr in gathers)  # (not grad_out's)
+        return of_x, (inference, out.detach(), xg.grad, w1g.grad, w2g.grad)
 
-    by_index = run()
-    forward_gathers = len(gathers)
+    by_index, results = run()
     monkeypatch.setattr(_small_gemm, "_bf16_linear_rows_entry_point", lambda: None)
-    gathers.clear()
-    gathered = run()
-    assert len(gathers) == forward_gathers + 2  # (one gather of x per forward, inference and training)
-    for a, b in zip(by_index, gathered):
+    monkeypatch.setattr(_small_gemm, "_bf16_weight_grad_rows_entry_point", lambda: None)
+    gathered, expected = run()
+    # without: a gather of x in each forward (inference and training) and in the backward's
+    # group; at T = 40 both forwards take the one-call decode forward (its own gather) instead
+    assert by_index == 0 and gathered == (1 if T == 40 else 3)
+    for a, b in zip(results, expected):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -1433,6 +1433,46 @@ def test_bf16_weight_grad_of_larger_blocks_is_each_blocks_product_rounded_once(m
     assert torch.equal(single[experts], out[experts])
 
 
+@pytest.mark.parametrize("shape", [(96, 1024), (1024, 512), (40, 33)])
+def test_bf16_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
+    """With `b_index` the blocks' b rows are b[b_index[n]], gathered as the packed kernel packs
+    them: blocks of 4 (the fewest it takes), 5, 32, 257 and BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 rows
+    (Zen 4 forced), tokens repeated and out of order: each within one rounding of float64's
+    product, bit for bit what the gathered rows give, experts without a block untouched.
+    Declined (False, nothing written) where a block has fewer rows or adds to its expert's
+    gradient; an index outside b's rows is a ValueError, nothing written."""
+    _needs_bf16_blocks()
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: True)
+    monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: 25)
+    M, N = shape
+    T, most = 60, _small_gemm.BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4
+    blocks, start = [], 0
+    for e, n in [(1, 4), (0, 5), (3, 32), (5, 257), (2, most)]:
+        blocks.append((e, start, start + n))
+        start += n
+    torch.manual_seed(17)
+    a, b = torch.randn(start, M).bfloat16(), torch.randn(T, N).bfloat16()
+    index = torch.randint(0, T, (start,))
+    out = torch.full((6, M, N), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.bf16_weight_grad_blocks(out, a, b, blocks, [False] * len(blocks), b_index=index)
+    gathered = torch.full_like(out, float("nan"))
+    assert _small_gemm.bf16_weight_grad_blocks(gathered, a, b[index].contiguous(), blocks, [False] * len(blocks))
+    for e, first, stop in blocks:
+        rows = b[index[first:stop]].double()
+        exact = a[first:stop].double().t() @ rows
+        _bf16_within_one_rounding(out[e], exact, _bound(a[first:stop].double().abs().t(), rows.abs(), stop - first))
+        assert torch.equal(out[e].view(torch.int16), gathered[e].view(torch.int16))
+    assert out[4].isnan().all()
+    fresh = torch.full_like(out, 7.0)
+    for few, adds in (([(0, 0, 3)], [False]), (blocks[:2], [False, True])):
+        assert not _small_gemm.bf16_weight_grad_blocks(fresh, a, b, few, adds, b_index=index)
+    bad = index.clone()
+    bad[5] = T
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
+        _small_gemm.bf16_weight_grad_blocks(fresh, a, b, blocks[:2], [False, False], b_index=bad)
+    assert bool((fresh == 7).all())
+
+
 @pytest.mark.parametrize("amd, family", [(True, 25), (True, 26), (False, 6)])
 def test_bf16_weight_grad_row_range_by_cpu(monkeypatch, amd, family):
     """On Zen 4 (AMD's family 25, forced here) the bf16 weight-gradient kernel takes blocks of up
