@@ -1371,7 +1371,8 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
   for (int64_t g = 0; g < groups; ++g)
     pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
   // the tail's rows, for the dot-product tiles
-  const LinearBf16 rest = rows_of(p, full * kGroupRows, tail_on_dots ? tail : 0, reinterpret_cast<bf16_t*>(packed + packed_words));
+  const LinearBf16 rest =
+      rows_of(p, full * kGroupRows, tail_on_dots ? tail : 0, reinterpret_cast<bf16_t*>(packed + packed_words));
   for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
     const int64_t o1 = std::min(last, o0 + kChunkCols);
     const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1

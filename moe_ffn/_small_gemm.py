@@ -1947,13 +1947,16 @@ def _weight_grad_rows(
         a.dim() != 2 or a.shape[1] != M or b.shape[1] != N or a.shape[0] < rows or b_index.shape[0] < rows
         or len(accumulate) != len(blocks) or min(blk[1] for blk in blocks) < 0
     ):
-        raise ValueError(f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by "
-                         f"index {tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks "
-                         "do not fit")
+        raise ValueError(
+            f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by index "
+            f"{tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit"
+        )
     _check_blocks("bf16_weight_grad_blocks", blocks, rows, E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
     low, high = (int(v) for v in b_index[:rows].aminmax())
     if low < 0 or high >= b.shape[0]:
-        raise ValueError(f"bf16_weight_grad_blocks: the blocks' row indices must lie in [0, {b.shape[0]}), got {low} to {high}")
+        raise ValueError(
+            f"bf16_weight_grad_blocks: the blocks' row indices must lie in [0, {b.shape[0]}), got {low} to {high}"
+        )
     table, address, count = _block_table(blocks)
     if entry(
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,

@@ -738,33 +738,33 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # a few rows each made the per-call cost dominate), while the group's temporaries stay bounded
 # (about _GROUP_ELEMENTS elements per [rows, H] temporary) instead of spanning all N rows.
 # A block is never cut to fit a group, only past _PIECE_ELEMENTS (see _groups). The budget was
-# 2^20 for a while, where it had been 2^22 for both (forward+backward, A/B in one process, 9 rounds, 2-core Xeon), working
-# memory / time at T = 256 and 2048: fine-grained bf16 28.0 → 17.7 and 101.8 → 71.8 MiB, fp32
-# 33.4 → 24.7 and 136.6 → 88.9 MiB, Mixtral bf16 25.6 → 16.1 MiB at T=256, fp32 45.0 → 26.1
-# (at T=2048 Mixtral's blocks are larger than either budget: level), times within 0.98–1.03×;
-# cutting blocks to the smaller budget too made Mixtral slower (bf16 T=2048 200.1 → 293.6 ms:
-# four weight-gradient pieces per expert), hence two budgets. Blocks are cut past 2^24
-# elements, where it was 2^22 (Mixtral's 2048-row blocks at T = 8192 were cut into four,
-# each piece's down projection a oneDNN call that reorders the whole weight again), A/B in
-# one process: forward T = 8192 bf16 249.0 → 219.2 ms, fp32 1193.2 → 1130.5; forward+backward
-# bf16 1037.4 → 952.0 (5 rounds), fp32 4125.8 → 3798.6 (3 rounds); T = 2048 level (its blocks
-# are not cut either way). Working memory of that bf16 forward+backward at T = 8192: 362 →
-# 427 MiB (the dense k·F block 336, with nn.Linear 688); Mixtral's blocks are cut from
-# 2340 rows on (T ≈ 9400), the fine-grained shape's from 16384.
+# 2^20 for a while, where it had been 2^22 for both (forward+backward, A/B in one process, 9
+# rounds, 2-core Xeon), working memory / time at T = 256 and 2048: fine-grained bf16 28.0 → 17.7
+# and 101.8 → 71.8 MiB, fp32 33.4 → 24.7 and 136.6 → 88.9 MiB, Mixtral bf16 25.6 → 16.1 MiB at
+# T=256, fp32 45.0 → 26.1 (at T=2048 Mixtral's blocks are larger than either budget: level), times
+# within 0.98–1.03×; cutting blocks to the smaller budget too made Mixtral slower (bf16 T=2048
+# 200.1 → 293.6 ms: four weight-gradient pieces per expert), hence two budgets. Blocks are cut
+# past 2^24 elements, where it was 2^22 (Mixtral's 2048-row blocks at T = 8192 were cut into four,
+# each piece's down projection a oneDNN call that reorders the whole weight again), A/B in one
+# process: forward T = 8192 bf16 249.0 → 219.2 ms, fp32 1193.2 → 1130.5; forward+backward bf16
+# 1037.4 → 952.0 (5 rounds), fp32 4125.8 → 3798.6 (3 rounds); T = 2048 level (its blocks are not
+# cut either way). Working memory of that bf16 forward+backward at T = 8192: 362 → 427 MiB (the
+# dense k·F block 336, with nn.Linear 688); Mixtral's blocks are cut from 2340 rows on (T ≈ 9400),
+# the fine-grained shape's from 16384.
 # The same budget in elements for every compute dtype since 2026-12-07 (a float32 temporary's 16
 # MiB, a bf16 one's 8): before, float32 groups took 2^20 elements and bf16 ones four times as
 # many, the AMX entry points sharing a call's blocks among the threads only from two blocks a
 # thread (_team.h, each_block_shared: 2^20 → 2^21 → 2^22 for bf16 on the 2-core Xeon, 2026-12-05,
-# forward+backward fine-grained T = 2048 1.105× then 1.034×, Mixtral T = 256 1.088×; a call of
-# two blocks ran 0.82–0.92× of one of four or more; those ratios speed-ups). float32 on the Zen 4 EPYC, where moe_ffn's
-# AVX-512 kernels take its blocks, 2^20 → 2^22 elements, alternated in one process (medians of
-# pair ratios, the same bits): forward+backward fine-grained T = 1024 / 2048 / 8192 0.918 /
-# 0.935–0.944 / 0.944×, Mixtral T = 256 0.979×; forward fine-grained T = 2048 0.958× (fewer
-# calls: the input and weight gradients' kernels, the gathers and the elementwise passes each
-# ~3–12 ms a step less at T = 2048). Working memory at T = 2048 (the benchmark's measure):
+# forward+backward fine-grained T = 2048 1.105× then 1.034×, Mixtral T = 256 1.088×; a call of two
+# blocks ran 0.82–0.92× of one of four or more; those ratios speed-ups). float32 on the Zen 4
+# EPYC, where moe_ffn's AVX-512 kernels take its blocks, 2^20 → 2^22 elements, alternated in one
+# process (medians of pair ratios, the same bits): forward+backward fine-grained T = 1024 / 2048 /
+# 8192 0.918 / 0.935–0.944 / 0.944×, Mixtral T = 256 0.979×; forward fine-grained T = 2048 0.958×
+# (fewer calls: the input and weight gradients' kernels, the gathers and the elementwise passes
+# each ~3–12 ms a step less at T = 2048). Working memory at T = 2048 (the benchmark's measure):
 # fine-grained float32 153 → 200 MiB (its dense k·F block's 200), Mixtral's (its blocks each a
-# group either way) unchanged; bf16 unchanged (fine-grained 100 MiB; twice its budget put T =
-# 2048 in one group: 165 MiB, 0.958× the time).
+# group either way) unchanged; bf16 unchanged (fine-grained 100 MiB; twice its budget put T = 2048
+# in one group: 165 MiB, 0.958× the time).
 _GROUP_ELEMENTS = 1 << 22
 _PIECE_ELEMENTS = 1 << 24
 # A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
@@ -780,7 +780,8 @@ def _groups(
     blocks: list[tuple[int, int, int]], width: int, split: bool
 ) -> list[list[tuple[int, int, int]]]:
     """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
-    larger than that is a group of its own); all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups' worth.
+    larger than that is a group of its own); all of them in one group where they come to at
+    most `_ONE_GROUP_FACTOR` groups' worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
     most that many rows (the same expert on consecutive row ranges), so that no temporary
@@ -1126,8 +1127,9 @@ def _forward_blocks(
         return
     if token_n is not None:
         # the bf16 forward kernel (AVX512-BF16 CPUs without AMX) reads the tokens' rows by index
-        if b_EO is None and rest is blocks and _small_gemm.linear_blocks(x, w_EOI, blocks, out=out, index=token_n) is not None:
-            return
+        if b_EO is None and rest is blocks:
+            if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out, index=token_n) is not None:
+                return
         x = _rows(x, token_n, 0, token_n.shape[0])
     if b_EO is None and rest is blocks:
         if _small_gemm.linear_blocks(x, w_EOI, blocks, out=out) is not None:
