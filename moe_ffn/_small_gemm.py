@@ -508,31 +508,45 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
             f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
             f"{tuple(y.shape)} do not fit blocks of {rows} rows"
         )
-    _check_blocks("linear_blocks", blocks, rows, E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}")
-    low, high = (int(v) for v in index[:rows].aminmax())
-    if low < 0 or high >= x.shape[0]:
-        raise ValueError(f"linear_blocks: the blocks' row indices must lie in [0, {x.shape[0]}), got {low} to {high}")
-    table, address, count = _block_table(blocks)
-    if entry(
-        x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
-        y.data_ptr(), y.stride(0), address, count, O, I, torch.get_num_threads(), *found[1],
-    ) != 0:
-        raise RuntimeError(f"linear_blocks: the kernel failed on {count} blocks (out of memory?)")
+    _rows_call(
+        "linear_blocks", entry, blocks, index, rows, x.shape[0], E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}",
+        (x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
+         y.data_ptr(), y.stride(0)),
+        (O, I, torch.get_num_threads(), *found[1]),
+    )
     return y
 
 
+def _rows_call(name: str, entry, blocks, index: Tensor, rows: int, tokens: int, experts: int, shapes: str, before, after):
+    """entry(*before, the block table, its length, *after) once the blocks fit `experts` and the
+    `rows` rows' indices the `tokens` rows (ValueError otherwise, nothing run)."""
+    _check_blocks(name, blocks, rows, experts, shapes)
+    low, high = (int(v) for v in index[:rows].aminmax())
+    if low < 0 or high >= tokens:
+        raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")
+    table, address, count = _block_table(blocks)
+    if entry(*before, address, count, *after) != 0:
+        raise RuntimeError(f"{name}: the kernel failed on {count} blocks (out of memory?)")
+
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
 @functools.lru_cache(maxsize=None)
-def _bf16_linear_rows_entry_point():
-    """moe_ffn_avx512_linear_rows_bf16 where the bf16 blocks entry points run; else None."""
-    if _bf16_blocks_entry_points() is None:
-        return None
-    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_linear_rows_bf16")
+def _bf16_rows_entry_point(name: str, argtypes: tuple):
+    """The bf16 entry point `name` that reads the tokens' rows by index, where the bf16 blocks
+    entry points run (an AVX512-BF16 CPU without AMX, the library built); else None."""
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", name) if _bf16_blocks_entry_points() else None
     if points is None:
         return None
     (entry,) = points
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    entry.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+    entry.argtypes = list(argtypes)
     return entry
+
+
+def _bf16_linear_rows_entry_point():  # (x, ldx, tokens, index, w, its strides, y, ldy, blocks, sizes, team)
+    args = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR)
+    return _bf16_rows_entry_point("moe_ffn_avx512_linear_rows_bf16", args)
 
 
 def _linear_blocks_kernel(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor]):
@@ -1951,34 +1965,19 @@ def _weight_grad_rows(
             f"bf16_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by index "
             f"{tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit"
         )
-    _check_blocks("bf16_weight_grad_blocks", blocks, rows, E, f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}")
-    low, high = (int(v) for v in b_index[:rows].aminmax())
-    if low < 0 or high >= b.shape[0]:
-        raise ValueError(
-            f"bf16_weight_grad_blocks: the blocks' row indices must lie in [0, {b.shape[0]}), got {low} to {high}"
-        )
-    table, address, count = _block_table(blocks)
-    if entry(
-        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,
-        out_EMN.stride(0), out_EMN.stride(1), address, count, M, N, int(_streamed_gradients(out_EMN)),
-        torch.get_num_threads(), *found[1],
-    ) != 0:
-        raise RuntimeError(f"bf16_weight_grad_blocks: the kernel failed on {count} blocks (out of memory?)")
+    _rows_call(
+        "bf16_weight_grad_blocks", entry, blocks, b_index, rows, b.shape[0], E,
+        f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}",
+        (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,
+         out_EMN.stride(0), out_EMN.stride(1)),
+        (M, N, int(_streamed_gradients(out_EMN)), torch.get_num_threads(), *found[1]),
+    )
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _bf16_weight_grad_rows_entry_point():
-    """moe_ffn_avx512_weight_grad_rows_bf16_packed where the bf16 blocks entry points run; else None."""
-    if _bf16_blocks_entry_points() is None:
-        return None
-    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_weight_grad_rows_bf16_packed")
-    if points is None:
-        return None
-    (entry,) = points
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    entry.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr]
-    return entry
+def _bf16_weight_grad_rows_entry_point():  # (a, lda, b, ldb, tokens, b_index, c, its strides, blocks, sizes, stream, team)
+    args = (_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR)
+    return _bf16_rows_entry_point("moe_ffn_avx512_weight_grad_rows_bf16_packed", args)
 
 
 def _product(
