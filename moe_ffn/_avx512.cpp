@@ -2131,6 +2131,17 @@ extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
 // CPU lacks AVX512_BF16.
 namespace {
 
+// Whether every row n of the blocks (from 0) has index[n] in [0, tokens): the entry points that
+// read the tokens' rows by index check this before anything is written.
+bool rows_within(const int64_t* blocks, int64_t count, const int64_t* index, int64_t tokens) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (blocks[4 * i + 1] < 0) return false;
+    for (int64_t n = blocks[4 * i + 1]; n < blocks[4 * i + 2]; ++n)
+      if (index[n] < 0 || index[n] >= tokens) return false;
+  }
+  return true;
+}
+
 // The bf16 forward's blocks (index: see LinearOf; else x's rows are the blocks' rows).
 int linear_blocks_bf16(const bf16_t* x, int64_t ldx, const int64_t* index, const bf16_t* w, int64_t experts,
                        int64_t w_expert, int64_t ldw, bf16_t* y, int64_t ldy, const int64_t* blocks, int64_t count,
@@ -2172,11 +2183,7 @@ extern "C" int moe_ffn_avx512_linear_rows_bf16(const bf16_t* x, int64_t ldx, int
                                                bf16_t* y, int64_t ldy, const int64_t* blocks, int64_t count,
                                                int64_t out_features, int64_t in_features, int threads,
                                                void* parallel, void* thread_num, void* num_threads) {
-  for (int64_t b = 0; b < count; ++b) {
-    if (blocks[4 * b + 1] < 0) return -1;
-    for (int64_t n = blocks[4 * b + 1]; n < blocks[4 * b + 2]; ++n)
-      if (index[n] < 0 || index[n] >= tokens) return -1;
-  }
+  if (!rows_within(blocks, count, index, tokens)) return -1;
   return linear_blocks_bf16(x, ldx, index, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features,
                             in_features, threads, parallel, thread_num, num_threads);
 }
@@ -2274,11 +2281,7 @@ extern "C" int moe_ffn_avx512_weight_grad_rows_bf16_packed(const bf16_t* a, int6
                                                            int stream, int threads, void* parallel, void* thread_num,
                                                            void* num_threads) {
   if (!bf16_ready() || m < 0 || n < 0 || threads < 1) return -1;
-  for (int64_t i = 0; i < count; ++i) {
-    if (blocks[4 * i + 1] < 0) return -1;
-    for (int64_t r = blocks[4 * i + 1]; r < blocks[4 * i + 2]; ++r)
-      if (b_index[r] < 0 || b_index[r] >= tokens) return -1;
-  }
+  if (!rows_within(blocks, count, b_index, tokens)) return -1;
   return over_blocks(blocks, count, experts, m, 6, 24, threads, parallel, thread_num, num_threads,
                      [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
                        const WeightGradBf16 p{a + start * lda, lda,        b,     ldb,   c + e * c_expert,

@@ -518,14 +518,16 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
 
 
 def _rows_call(name: str, entry, blocks, index: Tensor, rows: int, tokens: int, experts: int, shapes: str, before, after):
-    """entry(*before, the block table, its length, *after) once the blocks fit `experts` and the
-    `rows` rows' indices the `tokens` rows (ValueError otherwise, nothing run)."""
+    """entry(*before, the block table, its length, *after) once the blocks fit `experts`. The
+    entry point checks the `rows` rows' indices against the `tokens` rows before it writes
+    anything (one pass, in C); where it declines, a ValueError names the indices' range if they
+    were the cause."""
     _check_blocks(name, blocks, rows, experts, shapes)
-    low, high = (int(v) for v in index[:rows].aminmax())
-    if low < 0 or high >= tokens:
-        raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")
     table, address, count = _block_table(blocks)
     if entry(*before, address, count, *after) != 0:
+        low, high = (int(v) for v in index[:rows].aminmax())
+        if low < 0 or high >= tokens:
+            raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")
         raise RuntimeError(f"{name}: the kernel failed on {count} blocks (out of memory?)")
 
 
