@@ -31,6 +31,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1002,18 +1003,71 @@ bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts) {
   return true;
 }
 
+// Whether the threads take whole blocks each (whole_blocks) rather than a share of every block:
+// many blocks of few rows. Then each block's weight is read by one thread, in order, where each
+// thread had read its part of every weight (its rows of w, or for the input gradients its
+// columns: part of every row, a stride apart), and each block's rows are packed once, where
+// both threads had packed them. Zen 4 EPYC (2026-12-07), layer bf16, the two ways alternated
+// in one process (11 rounds of 3 layers, ratios' medians taken apart for either way first,
+// their geometric mean; the same bits): forward fine-grained T = 64 0.969×, T = 256 0.956×;
+// forward+backward (forward and input gradients) T = 64 0.94–0.98×, T = 256 0.965–0.98×;
+// level where the blocks are large (fine-grained T = 2048, 256 rows: 0.998 / 1.004×) and
+// behind where they are few (Mixtral's 8 at T = 256: forward+backward 1.021×), hence the bounds.
+// The builds alternated likewise: fine-grained T = 256 forward 0.960×, forward+backward 0.961×,
+// T = 64 0.989 / 0.967×; T = 1 and 16 level; Mixtral level (its blocks are not taken whole).
+// (The weight gradients' kernels gained nothing this way: level.)
+constexpr int64_t kWholeBlocksPerThread = 8;
+constexpr int64_t kWholeBlocksMeanRows = 128;
+
+bool whole_blocks(const int64_t* blocks, int64_t count, int threads) {
+  if (threads < 2 || count < kWholeBlocksPerThread * threads) return false;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < count; ++i) rows += blocks[4 * i + 2] - blocks[4 * i + 1];
+  return rows <= kWholeBlocksMeanRows * count;
+}
+
+// The blocks each of `parts` threads takes (owner[i]): the longest first, each to the thread
+// with the least work so far, a block's work counted as its rows plus 16 (its weight's read).
+std::vector<int64_t> block_owners(const int64_t* blocks, int64_t count, int64_t parts) {
+  auto work = [&](int64_t i) { return blocks[4 * i + 2] - blocks[4 * i + 1] + 16; };
+  std::vector<int64_t> order(count), load(parts, 0), owner(count);
+  for (int64_t i = 0; i < count; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  for (int64_t i : order) {
+    owner[i] = std::min_element(load.begin(), load.end()) - load.begin();
+    load[owner[i]] += work(i);
+  }
+  return owner;
+}
+
 // The bf16 entry points' common frame: checks the table (no block may accumulate), then on a
 // team of at most `threads` (at least `least` units a thread) each thread takes its share
 // [first, last) of `units` (in steps of `step`) and calls run(e, start, stop, first, last, next)
-// for every block in turn (next: the following block's expert, -1 after the last). -1 for a
-// table it does not take, or where a call returned false.
+// for every block in turn (next: the following block's expert, -1 after the last). With
+// `whole` (and whole_blocks), each thread instead calls run(e, start, stop, 0, units, next) for
+// its own blocks (block_owners; next: its own next block's expert). -1 for a table it does not
+// take, or where a call returned false.
 template <typename Run>
 int over_blocks(const int64_t* blocks, int64_t count, int64_t experts, int64_t units, int64_t step, int64_t least,
-                int threads, void* parallel, void* thread_num, void* num_threads, Run run) {
+                int threads, void* parallel, void* thread_num, void* num_threads, Run run, bool whole = false) {
   if (count < 0 || !blocks_fit(blocks, count, experts)) return -1;
   int failed = 0;
-  const int64_t team_size = std::min<int64_t>(threads, std::max<int64_t>(1, units / least));
+  whole = whole && whole_blocks(blocks, count, threads);
+  const int64_t team_size = whole ? threads : std::min<int64_t>(threads, std::max<int64_t>(1, units / least));
   on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
+    if (whole) {
+      const std::vector<int64_t> owner = block_owners(blocks, count, parts);
+      int64_t i = 0;
+      while (i < count && owner[i] != t) ++i;
+      while (i < count) {
+        int64_t j = i + 1;
+        while (j < count && owner[j] != t) ++j;
+        if (!run(blocks[4 * i], blocks[4 * i + 1], blocks[4 * i + 2], 0, units, j < count ? blocks[4 * j] : -1))
+          __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        i = j;
+      }
+      return;
+    }
     int64_t first, last;
     share(units, step, t, parts, &first, &last);
     for (int64_t i = 0; i < count; ++i) {
@@ -1051,7 +1105,8 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg
 // sums; inputs and results of subnormal size flushed to zero, as oneDNN's AVX512-BF16 and AMX
 // kernels flush them): register tiles of up to 4 rows of x by 6 rows of w, each tile's whole
 // sum over I in its registers (no chunks: a bf16 y is rounded once), reduced across lanes at
-// the end. The threads split w's rows, each taking its share of every block.
+// the end. The threads split w's rows, each taking its share of every block, or where the
+// blocks are many and small take whole blocks each (whole_blocks).
 
 namespace {
 
@@ -2168,7 +2223,7 @@ int linear_blocks_bf16(const bf16_t* x, int64_t ldx, const int64_t* index, const
                          return true;
                        }
                        return outer_range(p, first, last);
-                     });
+                     }, /*whole=*/true);
 }
 
 }  // namespace
@@ -2242,7 +2297,7 @@ extern "C" int moe_ffn_avx512_routed_swiglu_blocks_bf16(const bf16_t* x, int64_t
 // Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (O even),
 // y [rows, I] on bf16 pair products over packed panels of w (see InputGradBf16; table and
 // checks as above): the threads split y's columns (kGradPanel at a time), each taking its
-// share of every block. -1 where the CPU lacks AVX512_BF16, O is odd, or a thread's scratch
+// share of every block, or take whole blocks each (whole_blocks). -1 where the CPU lacks AVX512_BF16, O is odd, or a thread's scratch
 // could not be had (then y may be partly written).
 extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int64_t ldg, const bf16_t* w,
                                                             int64_t experts, int64_t w_expert, int64_t ldw, bf16_t* y,
@@ -2255,7 +2310,7 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int
                        const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
                                              stop - start, out_features, in_features};
                        return p.m == 0 || first >= last || grad_range(p, first, last, next < 0 ? nullptr : w + next * w_expert);
-                     });
+                     }, /*whole=*/true);
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for bf16 a [rows, m], b [rows, n] into

@@ -1300,6 +1300,55 @@ def test_bf16_forward_by_index_reads_the_tokens_rows(shape):
     assert wide[unused].isnan().all() and wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
 
 
+def _with_threads(n, run):
+    """run() with torch (and so the kernels' team) on n threads."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (100, 130), (512, 1024)])
+def test_bf16_many_small_blocks_taken_whole_by_the_threads_are_the_same_bits(shape):
+    """With many blocks of few rows (_avx512.cpp's whole_blocks: at least 8 a thread, at most
+    128 rows on average) the two threads take whole blocks each instead of a share of every
+    block. Forward (gathered rows and rows by index) and input gradients, blocks of 1 to 60
+    rows (the dot tiles, groups of 16 with and without a tail on the dot tiles, the direct and
+    the packed input gradients), uneven and out of expert order: every block bit for bit what
+    a call of its own makes (a share of it to each thread), and within one rounding of float64."""
+    _needs_bf16_blocks()
+    O, I = shape
+    sizes = [1, 60, 7, 33, 2, 41, 24, 48, 5, 17, 3, 32, 6, 25, 9, 47, 1, 40]
+    E = 5
+    blocks, start = [], 0
+    for i, n in enumerate(sizes):
+        blocks.append(((7 * i) % E, start, start + n))
+        start += n
+    torch.manual_seed(21)
+    x, w = torch.randn(start, I).bfloat16(), torch.randn(E, O, I).bfloat16()
+    g, w_t = torch.randn(start, O).bfloat16(), torch.randn(E, O, I).bfloat16()
+    index = torch.randperm(start)
+    forward = _with_threads(2, lambda: _small_gemm.linear_blocks(x, w, blocks))
+    by_index = _with_threads(2, lambda: _small_gemm.linear_blocks(x, w, blocks, index=index))
+    grads = torch.empty(start, I, dtype=torch.bfloat16)
+    assert _with_threads(2, lambda: _small_gemm.bf16_input_grad_blocks(grads, g, w_t, blocks))
+    for e, first, stop in blocks:
+        alone = _with_threads(2, lambda: _small_gemm.linear_blocks(x[first:stop], w, [(e, 0, stop - first)]))
+        assert torch.equal(forward[first:stop].view(torch.int16), alone.view(torch.int16))
+        rows = x[index[first:stop]].contiguous()
+        alone = _with_threads(2, lambda: _small_gemm.linear_blocks(rows, w, [(e, 0, stop - first)]))
+        assert torch.equal(by_index[first:stop].view(torch.int16), alone.view(torch.int16))
+        alone = torch.empty(stop - first, I, dtype=torch.bfloat16)
+        assert _with_threads(2, lambda: _small_gemm.bf16_input_grad_blocks(alone, g[first:stop], w_t, [(e, 0, stop - first)]))
+        assert torch.equal(grads[first:stop].view(torch.int16), alone.view(torch.int16))
+        exact = x[first:stop].double() @ w[e].double().t()
+        _bf16_within_one_rounding(forward[first:stop], exact, _bound(x[first:stop].double().abs(), w[e].double().abs().t(), I))
+        exact = g[first:stop].double() @ w_t[e].double()
+        _bf16_within_one_rounding(grads[first:stop], exact, _bound(g[first:stop].double().abs(), w_t[e].double().abs(), O))
+
+
 def test_bf16_forward_by_index_checks_the_indices():
     """An index of a block's rows outside x's rows is a ValueError naming the range, nothing
     written; an index past the blocks' rows is not read; a float32 x or an int32 index is
