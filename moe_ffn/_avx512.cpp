@@ -2297,8 +2297,8 @@ extern "C" int moe_ffn_avx512_routed_swiglu_blocks_bf16(const bf16_t* x, int64_t
 // Input gradients y[start:stop] = g[start:stop]·w_e for bf16 g [rows, O], w_e [O, I] (O even),
 // y [rows, I] on bf16 pair products over packed panels of w (see InputGradBf16; table and
 // checks as above): the threads split y's columns (kGradPanel at a time), each taking its
-// share of every block, or take whole blocks each (whole_blocks). -1 where the CPU lacks AVX512_BF16, O is odd, or a thread's scratch
-// could not be had (then y may be partly written).
+// share of every block, or take whole blocks each (whole_blocks). -1 where the CPU lacks
+// AVX512_BF16, O is odd, or a thread's scratch could not be had (then y may be partly written).
 extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int64_t ldg, const bf16_t* w,
                                                             int64_t experts, int64_t w_expert, int64_t ldw, bf16_t* y,
                                                             int64_t ldy, const int64_t* blocks, int64_t count,
@@ -2310,7 +2310,10 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16_packed(const bf16_t* g, int
                        const InputGradBf16 p{g + start * ldg, ldg, w + e * w_expert, ldw, y + start * ldy, ldy,
                                              stop - start, out_features, in_features};
                        return p.m == 0 || first >= last || grad_range(p, first, last, next < 0 ? nullptr : w + next * w_expert);
-                     }, /*whole=*/true);
+                     },
+                     // whole blocks where a chunk of all the columns' panels stays within
+                     // kShallowBytes (the fine-grained 1024 columns: 512 KiB)
+                     /*whole=*/in_features * kGradDepth * 2 <= kShallowBytes);
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for bf16 a [rows, m], b [rows, n] into

@@ -1310,14 +1310,15 @@ def _with_threads(n, run):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (100, 130), (512, 1024)])
+@pytest.mark.parametrize("shape", [(64, 96), (100, 130), (512, 1024), (40, 1100)])
 def test_bf16_many_small_blocks_taken_whole_by_the_threads_are_the_same_bits(shape):
     """With many blocks of few rows (_avx512.cpp's whole_blocks: at least 8 a thread, at most
     128 rows on average) the two threads take whole blocks each instead of a share of every
     block. Forward (gathered rows and rows by index) and input gradients, blocks of 1 to 60
     rows (the dot tiles, groups of 16 with and without a tail on the dot tiles, the direct and
-    the packed input gradients), uneven and out of expert order: every block bit for bit what
-    a call of its own makes (a share of it to each thread), and within one rounding of float64."""
+    the packed input gradients; past 1024 columns the input gradients keep the shares), uneven
+    and out of expert order: every block bit for bit what a call of its own makes (a share of
+    it to each thread), and within one rounding of float64."""
     _needs_bf16_blocks()
     O, I = shape
     sizes = [1, 60, 7, 33, 2, 41, 24, 48, 5, 17, 3, 32, 6, 25, 9, 47, 1, 40]
