@@ -1074,14 +1074,19 @@ def _needs_bf16_blocks():
         pytest.skip("no bf16 blocks kernels here (not an AVX512-BF16 CPU without AMX, or the library not built)")
 
 
-def _on_one_thread(run):
-    """run() with torch (and so the kernels' team) on one thread: the work is split otherwise."""
+def _with_threads(n, run):
+    """run() with torch (and so the kernels' team) on n threads."""
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(n)
         return run()
     finally:
         torch.set_num_threads(threads)
+
+
+def _on_one_thread(run):
+    """run() with torch (and so the kernels' team) on one thread: the work is split otherwise."""
+    return _with_threads(1, run)
 
 
 def _bf16_input_grads_checked(g: torch.Tensor, w: torch.Tensor, blocks, unused_row: int) -> torch.Tensor:
@@ -1298,16 +1303,6 @@ def test_bf16_forward_by_index_reads_the_tokens_rows(shape):
         assert torch.equal(out[first:stop].view(torch.int16), gathered[first:stop].view(torch.int16))
     unused = blocks[2][2]
     assert wide[unused].isnan().all() and wide[:, :2].isnan().all() and wide[:, O + 2 :].isnan().all()
-
-
-def _with_threads(n, run):
-    """run() with torch (and so the kernels' team) on n threads."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        return run()
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (100, 130), (512, 1024), (40, 1100)])
