@@ -448,8 +448,8 @@ def linear_blocks(
     AVX-512 CPUs on the AVX-512 kernel, all blocks in one parallel region there (the rows
     `avx512_linear_into` takes: `float32_blocks_max_rows`); or
     bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
-    or on AVX512-BF16 CPUs without AMX of 1 to BF16_FORWARD_MAX_ROWS on bf16 dot products
-    (`bf16_forward_blocks_fit`). Each block's sums are the ones `linear_into` forms for it, or
+    or on AVX512-BF16 CPUs without AMX of 1 to `bf16_forward_max_rows()` on bf16 dot products
+    (`bf16_forward_blocks_fit`; past BF16_FORWARD_MAX_ROWS in pieces, `_pieces`). Each block's sums are the ones `linear_into` forms for it, or
     on AVX-512 CPUs `avx512_linear_into`.
 
     index (int64 [rows]): row n of the blocks is x[index[n]] (x the tokens' rows), read by the
@@ -465,9 +465,10 @@ def linear_blocks(
         return None
     if bf16 and bf16_forward_blocks_fit(blocks):  # AVX512-BF16 CPUs without AMX: bf16 as it is
         y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
-        found = _bf16_blocks_kernel((x,), y, blocks, most=BF16_FORWARD_MAX_ROWS)
+        found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows())
         if found is not None and _writable_rows(y):
-            _through_experts("linear_blocks", found[0][2], found[1], x, w_EOI, y, blocks, transposed=True)
+            pieces = _pieces(blocks, BF16_FORWARD_MAX_ROWS)
+            _through_experts("linear_blocks", found[0][2], found[1], x, w_EOI, y, pieces, transposed=True)
             return y
     found = _linear_blocks_kernel(x, w_EOI, blocks, out)
     if found is None:
@@ -500,9 +501,10 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     E, O, I = w_EOI.shape
     rows = max(stop for _, _, stop in blocks)
     y = x.new_empty(index.shape[0], O) if out is None else out
-    found = _bf16_blocks_kernel((x,), y, blocks, most=BF16_FORWARD_MAX_ROWS)
+    found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows())
     if found is None or not _writable_rows(y):
         return None
+    blocks = _pieces(blocks, BF16_FORWARD_MAX_ROWS)
     if x.shape[1] != I or y.shape[1] != O or index.shape[0] < rows or y.shape[0] < rows or min(b[1] for b in blocks) < 0:
         raise ValueError(
             f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
@@ -753,7 +755,7 @@ def bf16_routed_swiglu_blocks(
     h_NH = x_TD.new_empty(N, H) if keep_h else _memory.scratch(x_TD, N, H)
     out_TD = x_TD.new_empty(x_TD.shape[0], D)
     index = torch.empty(x_TD.shape[0] + 1 + N, dtype=torch.int64)  # (the slot sum's workspace)
-    table, address, count = _block_table(blocks)
+    table, address, count = _block_table(_pieces(blocks, BF16_FORWARD_MAX_ROWS))
     status = fn(
         x_TD.data_ptr(), x_TD.stride(0), x_TD.shape[0], token_N.data_ptr(), weight_N.data_ptr(), w1_EHD.data_ptr(),
         w1_EHD.stride(0), w1_EHD.stride(1), w2_EDF.data_ptr(), w2_EDF.stride(0), w2_EDF.stride(1), E, D, F, address,
@@ -1613,13 +1615,45 @@ BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 = 1536
 
 def bf16_weight_grad_max_rows() -> int:
     """The most rows of a block `bf16_weight_grad_blocks` takes on this CPU."""
-    return BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 if _vendor_is_amd() and _cpu_family() == 25 else BF16_WEIGHT_GRAD_MAX_ROWS
+    return BF16_WEIGHT_GRAD_MAX_ROWS_ZEN4 if _zen4() else BF16_WEIGHT_GRAD_MAX_ROWS
 
 
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
     """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]
-    (the packed-panel kernel needs an even O; the widening one takes up to 8 rows)."""
-    return BF16_INPUT_GRAD_MAX_ROWS if w_EOI.shape[1] % 2 == 0 else BF16_BLOCKS_MAX_ROWS
+    (the packed-panel kernel needs an even O; the widening one takes up to 8 rows). On the Zen
+    4 EPYC, through weights of at most kShallowBytes' 1024 columns, blocks up to
+    BF16_SPLIT_MAX_ROWS_ZEN4, in pieces of BF16_INPUT_GRAD_MAX_ROWS (`_pieces`)."""
+    if w_EOI.shape[1] % 2:
+        return BF16_BLOCKS_MAX_ROWS
+    return BF16_SPLIT_MAX_ROWS_ZEN4 if _zen4() and w_EOI.shape[2] <= 1024 else BF16_INPUT_GRAD_MAX_ROWS
+
+
+def bf16_forward_max_rows() -> int:
+    """The most rows of a block the AVX512-BF16 forward takes (`linear_blocks`): on the Zen 4
+    EPYC BF16_SPLIT_MAX_ROWS_ZEN4, in pieces of BF16_FORWARD_MAX_ROWS (`_pieces`)."""
+    return BF16_SPLIT_MAX_ROWS_ZEN4 if _zen4() else BF16_FORWARD_MAX_ROWS
+
+
+def _zen4() -> bool:
+    return _vendor_is_amd() and _cpu_family() == 25
+
+
+def _pieces(blocks: list[tuple[int, int, int]], most: int) -> list[tuple[int, int, int]]:
+    """The blocks with each one of more than `most` rows cut into the fewest pieces of at most
+    `most` rows, as even as they go (each piece a block of the same expert: every row's sums,
+    and so its bits, are the same whichever block it lies in)."""
+    out = []
+    for e, start, stop in blocks:
+        pieces = -(-(stop - start) // most)
+        if pieces <= 1:
+            out.append((e, start, stop))
+            continue
+        step, extra = divmod(stop - start, pieces)
+        for i in range(pieces):
+            size = step + (i < extra)
+            out.append((e, start, start + size))
+            start += size
+    return out
 
 
 # The forward x·Wᵀ on AVX512-BF16's dot-product instruction (`linear_blocks`), per product as
@@ -1641,6 +1675,22 @@ def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
 # take blocks of up to 24 rows (kDotMaxRows in _avx512.cpp, with the measurements).
 BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
+# On the Zen 4 EPYC (family 25) the forward and, through weights of at most 1024 columns, the
+# input gradients take blocks past their most rows above, up to this many, each cut into
+# pieces of at most those rows (`_pieces`), where torch's bf16 GEMM had taken them whole. Per
+# product (2026-12-07; 64 experts' blocks of R rows in one call against torch.mm a block,
+# weights from memory, alternated, medians of 8 rounds, GFLOP/s pieces / torch): fine-grained
+# R = 1024 forward through 1024×1024 410 / 399, input gradients 408 / 401 (whole, not cut:
+# 394), through 1024×512 385 / 369 (whole 367); R = 1536 whole blocks had fallen behind
+# torch's (w1 input gradients 351 / 360), hence the pieces. Not through Mixtral's down
+# projection (I = 3584), where the input gradients' kernel trails torch from 512 rows (371–390
+# / 401–403 at 512–1024, cut or whole), nor past 1536 rows (Mixtral's 2048-row blocks: torch
+# ahead through w2, 392 / 422 forward). Layer bf16, the old limits and these switched in one
+# process (balanced medians of pair ratios, 2 layers): fine-grained T = 8192 (blocks of ~1024
+# ± 40 rows) forward+backward 0.925× and 0.946× (8 rounds each), forward 0.951×; fine T = 2048
+# 0.998×, Mixtral T = 2048 (~512 ± 25: its w1's input gradients past 512 rows) 0.977× and
+# 0.995×, Mixtral T = 8192 (~2048, untouched) 0.990×.
+BF16_SPLIT_MAX_ROWS_ZEN4 = 1536
 
 
 _ONE_ROW_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 3 + [
@@ -1682,8 +1732,8 @@ def _bf16_blocks_entry_points():
 
 def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
     """Whether `linear_blocks` takes these bf16 blocks on the AVX512-BF16 forward kernel (each
-    of 1 to `most` rows, at most BF16_FORWARD_MAX_ROWS)."""
-    most = BF16_FORWARD_MAX_ROWS if most is None else min(most, BF16_FORWARD_MAX_ROWS)
+    of 1 to `most` rows, at most `bf16_forward_max_rows()`)."""
+    most = bf16_forward_max_rows() if most is None else min(most, bf16_forward_max_rows())
     return bool(blocks) and _bf16_blocks_entry_points() is not None and _rows_fit(blocks, most)
 
 
@@ -1727,6 +1777,7 @@ def bf16_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[t
             out.stride(0), O, I, torch.get_num_threads(), *found[1],
         )
     if large:
+        large = _pieces(large, BF16_INPUT_GRAD_MAX_ROWS)
         _blocks_call(
             found[0][3], large, [False] * len(large), g.data_ptr(), g.stride(0), *weight, out.data_ptr(),
             out.stride(0), O, I, torch.get_num_threads(), *found[1],

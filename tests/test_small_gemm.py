@@ -1213,7 +1213,8 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
     w, x = torch.randn(3, O, I).bfloat16(), torch.randn(rows, I).bfloat16()
     wide = torch.full((rows, O + 7), float("nan"), dtype=torch.bfloat16)
     out = wide[:, 2 : O + 2]
-    assert _small_gemm.bf16_forward_blocks_fit(blocks) and not _small_gemm.bf16_forward_blocks_fit([(0, 0, most + 1)])
+    past = _small_gemm.bf16_forward_max_rows() + 1  # (most, or on the Zen 4 EPYC the pieces' limit)
+    assert _small_gemm.bf16_forward_blocks_fit(blocks) and not _small_gemm.bf16_forward_blocks_fit([(0, 0, past)])
     assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
     for e, start, stop in blocks:
         exact = x[start:stop].double() @ w[e].double().t()
@@ -1416,6 +1417,71 @@ def test_bf16_input_grad_of_larger_blocks_is_each_blocks_product_rounded_once(sh
     used = torch.ones(137, dtype=torch.bool)
     used[10:13] = False
     assert torch.equal(single[used], out[used])
+
+
+def test_pieces_cut_blocks_past_the_most_rows_evenly_in_order():
+    """_pieces: each block of more than `most` rows becomes the fewest pieces of at most `most`
+    rows of the same expert, sizes one apart at most, covering its rows in order; smaller
+    blocks as they were."""
+    blocks = [(3, 0, 5), (0, 5, 9), (1, 9, 20), (2, 30, 30 + 3 * 4 + 1)]
+    assert _small_gemm._pieces(blocks, 4) == [
+        (3, 0, 3), (3, 3, 5), (0, 5, 9), (1, 9, 13), (1, 13, 17), (1, 17, 20),
+        (2, 30, 34), (2, 34, 37), (2, 37, 40), (2, 40, 43),
+    ]
+    assert _small_gemm._pieces(blocks, 13) == blocks
+    for most in (1, 2, 7, 512):
+        pieces = _small_gemm._pieces([(0, 0, 1537)], most)
+        sizes = [stop - start for _, start, stop in pieces]
+        assert len(pieces) == -(-1537 // most) and max(sizes) <= most and max(sizes) - min(sizes) <= 1
+        assert pieces[0][1] == 0 and pieces[-1][2] == 1537 and all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))
+
+
+def test_bf16_blocks_past_the_kernels_most_rows_run_in_pieces_on_zen4(monkeypatch):
+    """On the Zen 4 EPYC (here made to say so) the forward and the input gradients through
+    weights of at most 1024 columns take blocks up to BF16_SPLIT_MAX_ROWS_ZEN4 rows, cut into
+    pieces of at most their kernels' rows: each block within one rounding of float64's product
+    (all its rows written), bit for bit what the pieces make called one by one, by index as
+    gathered; past that limit, and for the input gradients past 1024 columns, they decline."""
+    _needs_bf16_blocks()
+    monkeypatch.setattr(_small_gemm, "_zen4", lambda: True)
+    big = _small_gemm.BF16_SPLIT_MAX_ROWS_ZEN4
+    assert _small_gemm.bf16_forward_max_rows() == big
+    fwd_most, grad_most = _small_gemm.BF16_FORWARD_MAX_ROWS, _small_gemm.BF16_INPUT_GRAD_MAX_ROWS
+    O, I = 48, 96
+    torch.manual_seed(21)
+    w = torch.randn(3, O, I).bfloat16()
+    sizes = [fwd_most + 37, 3, big]
+    blocks, start = [], 0
+    for e, n in zip((2, 0, 1), sizes):
+        blocks.append((e, start, start + n))
+        start += n
+    x = torch.randn(start, I).bfloat16()
+    out = torch.full((start, O), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
+    index = torch.randperm(start)
+    by_index = _small_gemm.linear_blocks(x, w, blocks, index=index)
+    gathered = _small_gemm.linear_blocks(x[index].contiguous(), w, blocks)
+    assert torch.equal(by_index.view(torch.int16), gathered.view(torch.int16))
+    for e, first, stop in blocks:
+        exact = x[first:stop].double() @ w[e].double().t()
+        _bf16_within_one_rounding(out[first:stop], exact, _bound(x[first:stop].double().abs(), w[e].double().abs().t(), I))
+        for _, a, b in _small_gemm._pieces([(e, first, stop)], fwd_most):
+            assert torch.equal(out[a:b].view(torch.int16), _small_gemm.linear_blocks(x[a:b], w[e : e + 1], [(0, 0, b - a)]).view(torch.int16))
+    assert not _small_gemm.bf16_forward_blocks_fit([(0, 0, big + 1)])
+    # input gradients g·w_e through w [3, 64, 96] (96 columns)
+    wg = torch.randn(3, 64, 96).bfloat16()
+    grad_blocks = [(0, 0, grad_most + 1), (2, grad_most + 1, grad_most + 1 + big)]
+    rows = grad_blocks[-1][2]
+    g = torch.randn(rows, 64).bfloat16()
+    got = _bf16_input_grads_checked(torch.cat((g, g[:1])), wg, grad_blocks, unused_row=rows)
+    for e, first, stop in grad_blocks:
+        for _, a, b in _small_gemm._pieces([(e, first, stop)], grad_most):
+            alone = torch.empty(b - a, 96, dtype=torch.bfloat16)
+            assert _small_gemm.bf16_input_grad_blocks(alone, g[a:b], wg[e : e + 1], [(0, 0, b - a)])
+            assert torch.equal(got[a:b].view(torch.int16), alone.view(torch.int16))
+    wide = torch.randn(1, 64, 1040).bfloat16()  # past 1024 columns: the kernel's most rows only
+    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(grad_most + 1, 1040, dtype=torch.bfloat16), g[: grad_most + 1], wide, [(0, 0, grad_most + 1)])
+    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(big + 1, 96, dtype=torch.bfloat16), g[: big + 1], wg, [(0, 0, big + 1)])
 
 
 def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
