@@ -449,8 +449,8 @@ def linear_blocks(
     `avx512_linear_into` takes: `float32_blocks_max_rows`); or
     bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
     or on AVX512-BF16 CPUs without AMX of 1 to `bf16_forward_max_rows()` on bf16 dot products
-    (`bf16_forward_blocks_fit`; past BF16_FORWARD_MAX_ROWS in pieces, `_pieces`). Each block's sums are the ones `linear_into` forms for it, or
-    on AVX-512 CPUs `avx512_linear_into`.
+    (`bf16_forward_blocks_fit`; past BF16_FORWARD_MAX_ROWS in pieces, `_pieces`). Each block's
+    sums are the ones `linear_into` forms for it, or on AVX-512 CPUs `avx512_linear_into`.
 
     index (int64 [rows]): row n of the blocks is x[index[n]] (x the tokens' rows), read by the
     kernel as it packs them; only the AVX512-BF16 forward takes it (else None: the caller
@@ -1621,8 +1621,8 @@ def bf16_weight_grad_max_rows() -> int:
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
     """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]
     (the packed-panel kernel needs an even O; the widening one takes up to 8 rows). On the Zen
-    4 EPYC, through weights of at most kShallowBytes' 1024 columns, blocks up to
-    BF16_SPLIT_MAX_ROWS_ZEN4, in pieces of BF16_INPUT_GRAD_MAX_ROWS (`_pieces`)."""
+    4 EPYC, through weights of at most 1024 columns (I), blocks up to BF16_SPLIT_MAX_ROWS_ZEN4
+    rows, in pieces of at most BF16_INPUT_GRAD_MAX_ROWS (`_pieces`)."""
     if w_EOI.shape[1] % 2:
         return BF16_BLOCKS_MAX_ROWS
     return BF16_SPLIT_MAX_ROWS_ZEN4 if _zen4() and w_EOI.shape[2] <= 1024 else BF16_INPUT_GRAD_MAX_ROWS
@@ -1635,6 +1635,8 @@ def bf16_forward_max_rows() -> int:
 
 
 def _zen4() -> bool:
+    """Whether this is an AMD CPU of family 25 (Zen 3 / Zen 4: only Zen 4 has AVX512-BF16,
+    which the kernels these limits serve need)."""
     return _vendor_is_amd() and _cpu_family() == 25
 
 
@@ -1683,13 +1685,13 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 # R = 1024 forward through 1024×1024 410 / 399, input gradients 408 / 401 (whole, not cut:
 # 394), through 1024×512 385 / 369 (whole 367); R = 1536 whole blocks had fallen behind
 # torch's (w1 input gradients 351 / 360), hence the pieces. Not through Mixtral's down
-# projection (I = 3584), where the input gradients' kernel trails torch from 512 rows (371–390
-# / 401–403 at 512–1024, cut or whole), nor past 1536 rows (Mixtral's 2048-row blocks: torch
-# ahead through w2, 392 / 422 forward). Layer bf16, the old limits and these switched in one
-# process (balanced medians of pair ratios, 2 layers): fine-grained T = 8192 (blocks of ~1024
-# ± 40 rows) forward+backward 0.925× and 0.946× (8 rounds each), forward 0.951×; fine T = 2048
-# 0.998×, Mixtral T = 2048 (~512 ± 25: its w1's input gradients past 512 rows) 0.977× and
-# 0.995×, Mixtral T = 8192 (~2048, untouched) 0.990×.
+# projection (I = 3584), where the input gradients' kernel trails torch from ~350 rows (384 /
+# 448 / 512 rows 374 / 362 / 371 against 386 / 384 / 401), nor past 1536 rows (Mixtral's
+# 2048-row blocks: torch ahead through w2, forward 392 / 422). Layer bf16, the old limits and
+# these switched in one process (balanced medians of pair ratios, 2 layers): fine-grained T =
+# 8192 (blocks of ~1024 ± 40 rows) forward+backward 0.925× and 0.946× (8 rounds each), forward
+# 0.951×; fine T = 2048 0.998×, Mixtral T = 2048 (~512 ± 25: its w1's input gradients past 512
+# rows) 0.977× and 0.995×, Mixtral T = 8192 (~2048, untouched) 0.990×.
 BF16_SPLIT_MAX_ROWS_ZEN4 = 1536
 
 

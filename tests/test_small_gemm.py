@@ -1464,9 +1464,11 @@ def test_bf16_blocks_past_the_kernels_most_rows_run_in_pieces_on_zen4(monkeypatc
     assert torch.equal(by_index.view(torch.int16), gathered.view(torch.int16))
     for e, first, stop in blocks:
         exact = x[first:stop].double() @ w[e].double().t()
-        _bf16_within_one_rounding(out[first:stop], exact, _bound(x[first:stop].double().abs(), w[e].double().abs().t(), I))
+        bound = _bound(x[first:stop].double().abs(), w[e].double().abs().t(), I)
+        _bf16_within_one_rounding(out[first:stop], exact, bound)
         for _, a, b in _small_gemm._pieces([(e, first, stop)], fwd_most):
-            assert torch.equal(out[a:b].view(torch.int16), _small_gemm.linear_blocks(x[a:b], w[e : e + 1], [(0, 0, b - a)]).view(torch.int16))
+            alone = _small_gemm.linear_blocks(x[a:b], w[e : e + 1], [(0, 0, b - a)])
+            assert torch.equal(out[a:b].view(torch.int16), alone.view(torch.int16))
     assert not _small_gemm.bf16_forward_blocks_fit([(0, 0, big + 1)])
     # input gradients g·w_e through w [3, 64, 96] (96 columns)
     wg = torch.randn(3, 64, 96).bfloat16()
@@ -1480,8 +1482,10 @@ def test_bf16_blocks_past_the_kernels_most_rows_run_in_pieces_on_zen4(monkeypatc
             assert _small_gemm.bf16_input_grad_blocks(alone, g[a:b], wg[e : e + 1], [(0, 0, b - a)])
             assert torch.equal(got[a:b].view(torch.int16), alone.view(torch.int16))
     wide = torch.randn(1, 64, 1040).bfloat16()  # past 1024 columns: the kernel's most rows only
-    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(grad_most + 1, 1040, dtype=torch.bfloat16), g[: grad_most + 1], wide, [(0, 0, grad_most + 1)])
-    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(big + 1, 96, dtype=torch.bfloat16), g[: big + 1], wg, [(0, 0, big + 1)])
+    past = grad_most + 1
+    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(past, 1040, dtype=torch.bfloat16), g[:past], wide, [(0, 0, past)])
+    past = big + 1
+    assert not _small_gemm.bf16_input_grad_blocks(torch.empty(past, 96, dtype=torch.bfloat16), g[:past], wg, [(0, 0, past)])
 
 
 def test_bf16_blocks_kernels_round_ties_to_even_and_pass_nan():
