@@ -448,7 +448,7 @@ def linear_blocks(
     AVX-512 CPUs on the AVX-512 kernel, all blocks in one parallel region there (the rows
     `avx512_linear_into` takes: `float32_blocks_max_rows`); or
     bf16, every block of 1 to min(MAX_ROWS, this CPU's bf16 rows),
-    or on AVX512-BF16 CPUs without AMX of 1 to `bf16_forward_max_rows()` on bf16 dot products
+    or on AVX512-BF16 CPUs without AMX of 1 to `bf16_forward_max_rows(E)` on bf16 dot products
     (`bf16_forward_blocks_fit`; past BF16_FORWARD_MAX_ROWS in pieces, `_pieces`). Each block's
     sums are the ones `linear_into` forms for it, or on AVX-512 CPUs `avx512_linear_into`.
 
@@ -463,9 +463,9 @@ def linear_blocks(
         and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
     ):
         return None
-    if bf16 and bf16_forward_blocks_fit(blocks):  # AVX512-BF16 CPUs without AMX: bf16 as it is
+    if bf16 and bf16_forward_blocks_fit(blocks, w_EOI.shape[0]):  # AVX512-BF16 CPUs without AMX: bf16 as it is
         y = x.new_empty(x.shape[0], w_EOI.shape[1]) if out is None else out
-        found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows())
+        found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows(w_EOI.shape[0]))
         if found is not None and _writable_rows(y):
             pieces = _pieces(blocks, BF16_FORWARD_MAX_ROWS)
             _through_experts("linear_blocks", found[0][2], found[1], x, w_EOI, y, pieces, transposed=True)
@@ -496,12 +496,12 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     ):
         return None
     entry = _bf16_linear_rows_entry_point()
-    if entry is None or not bf16_forward_blocks_fit(blocks):
+    if entry is None or not bf16_forward_blocks_fit(blocks, w_EOI.shape[0]):
         return None
     E, O, I = w_EOI.shape
     rows = max(stop for _, _, stop in blocks)
     y = x.new_empty(index.shape[0], O) if out is None else out
-    found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows())
+    found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows(E))
     if found is None or not _writable_rows(y):
         return None
     blocks = _pieces(blocks, BF16_FORWARD_MAX_ROWS)
@@ -659,7 +659,7 @@ def routed_swiglu_blocks(
         and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
         and _rows_contiguous(x_TD) and token_N.dtype == torch.int64 and token_N.is_contiguous()
         and routed_rows_fit(token_N, weight_N, blocks)
-        and not (bf16 and bf16_forward_blocks_fit(blocks))
+        and not (bf16 and bf16_forward_blocks_fit(blocks, E))
     ):
         return None
     lib = library()
@@ -744,7 +744,7 @@ def bf16_routed_swiglu_blocks(
         and x_TD.shape[0] > 0 and H % 2 == 0 and F > 0 and tuple(w2_EDF.shape) == (E, D, F)
         and w1_EHD.stride(2) == 1 and w2_EDF.stride(2) == 1
         and token_N.dtype == torch.int64 and token_N.is_contiguous() and routed_rows_fit(token_N, weight_N, blocks)
-        and bf16_forward_blocks_fit(blocks)
+        and bf16_forward_blocks_fit(blocks, E)
     ):
         return None
     fn, kernel = _bf16_routed_swiglu_entry_point(), _kernel_for((x_TD,), None)
@@ -1621,17 +1621,28 @@ def bf16_weight_grad_max_rows() -> int:
 def bf16_input_grad_max_rows(w_EOI: Tensor) -> int:
     """The most rows of a block `bf16_input_grad_blocks` takes through this weight [E, O, I]
     (the packed-panel kernel needs an even O; the widening one takes up to 8 rows). On the Zen
-    4 EPYC, through weights of at most 1024 columns (I), blocks up to BF16_SPLIT_MAX_ROWS_ZEN4
-    rows, in pieces of at most BF16_INPUT_GRAD_MAX_ROWS (`_pieces`)."""
-    if w_EOI.shape[1] % 2:
+    4 EPYC, through experts' weights (E > 1: `_split_here`) of at most 1024 columns (I), blocks
+    up to BF16_SPLIT_MAX_ROWS_ZEN4 rows, in pieces of at most BF16_INPUT_GRAD_MAX_ROWS
+    (`_pieces`)."""
+    E, O, I = w_EOI.shape
+    if O % 2:
         return BF16_BLOCKS_MAX_ROWS
-    return BF16_SPLIT_MAX_ROWS_ZEN4 if _zen4() and w_EOI.shape[2] <= 1024 else BF16_INPUT_GRAD_MAX_ROWS
+    return BF16_SPLIT_MAX_ROWS_ZEN4 if _split_here(E) and I <= 1024 else BF16_INPUT_GRAD_MAX_ROWS
 
 
-def bf16_forward_max_rows() -> int:
-    """The most rows of a block the AVX512-BF16 forward takes (`linear_blocks`): on the Zen 4
-    EPYC BF16_SPLIT_MAX_ROWS_ZEN4, in pieces of BF16_FORWARD_MAX_ROWS (`_pieces`)."""
-    return BF16_SPLIT_MAX_ROWS_ZEN4 if _zen4() else BF16_FORWARD_MAX_ROWS
+def bf16_forward_max_rows(experts: int) -> int:
+    """The most rows of a block the AVX512-BF16 forward takes (`linear_blocks`) through a weight
+    of `experts` experts: on the Zen 4 EPYC through experts' weights (`_split_here`)
+    BF16_FORWARD_SPLIT_MAX_ROWS_ZEN4, in pieces of BF16_FORWARD_MAX_ROWS (`_pieces`)."""
+    return BF16_FORWARD_SPLIT_MAX_ROWS_ZEN4 if _split_here(experts) else BF16_FORWARD_MAX_ROWS
+
+
+def _split_here(experts: int) -> bool:
+    """Whether blocks past the bf16 kernels' own rows go to them in pieces: on the Zen 4 EPYC,
+    through an MoE layer's weights. A dense block (one expert) keeps torch's GEMM past those
+    rows, as the hand-written nn.Linear block it stands for multiplies there: the same bits
+    (tests/test_dense.py, at the benchmark's dense-check shape)."""
+    return experts > 1 and _zen4()
 
 
 def _zen4() -> bool:
@@ -1693,6 +1704,12 @@ _BF16_STREAM_ELEMENTS = 1 << 19
 # 0.951×; fine T = 2048 0.998×, Mixtral T = 2048 (~512 ± 25: its w1's input gradients past 512
 # rows) 0.977× and 0.995×, Mixtral T = 8192 (~2048, untouched) 0.990×.
 BF16_SPLIT_MAX_ROWS_ZEN4 = 1536
+# The forward's pieces go on past that: Mixtral's blocks at T = 8192 (~2048 ± 45 rows, where
+# per product the pieces ran 412 against torch's 391 GFLOP/s through w1, 392 against 422
+# through w2) in the layer, forward, the limit 1536 and 4096 switched in one process (balanced
+# medians, 5 rounds of 2 layers) 0.939× and 0.957×, forward+backward 0.979× (4 rounds; with
+# the input gradients' limit raised too 0.985×, theirs through w1 per product 386 against 397).
+BF16_FORWARD_SPLIT_MAX_ROWS_ZEN4 = 4096
 
 
 _ONE_ROW_ARGS = [ctypes.c_void_p, ctypes.c_int64] * 3 + [
@@ -1732,10 +1749,12 @@ def _bf16_blocks_entry_points():
     return input_grad, weight_grad, linear, input_grad_packed, weight_grad_packed, one_row
 
 
-def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], most: Optional[int] = None) -> bool:
-    """Whether `linear_blocks` takes these bf16 blocks on the AVX512-BF16 forward kernel (each
-    of 1 to `most` rows, at most `bf16_forward_max_rows()`)."""
-    most = bf16_forward_max_rows() if most is None else min(most, bf16_forward_max_rows())
+def bf16_forward_blocks_fit(blocks: list[tuple[int, int, int]], experts: int, most: Optional[int] = None) -> bool:
+    """Whether `linear_blocks` takes these bf16 blocks through a weight of `experts` experts on
+    the AVX512-BF16 forward kernel (each of 1 to `most` rows, at most
+    `bf16_forward_max_rows(experts)`)."""
+    limit = bf16_forward_max_rows(experts)
+    most = limit if most is None else min(most, limit)
     return bool(blocks) and _bf16_blocks_entry_points() is not None and _rows_fit(blocks, most)
 
 

@@ -930,7 +930,7 @@ def _decode_projection(
         # projections, the per-block loop on it is faster still (forward, 11 interleaved rounds,
         # against torch's grouped GEMM, T = 16: Mixtral 11.47 → 7.99 ms, fine 14.91 → 10.30;
         # forward+backward fine 58.2 → 51.6): no decode path then.
-        if not with_bias and _small_gemm.bf16_forward_blocks_fit(blocks, most=_BF16_DECODE_ROWS):
+        if not with_bias and _small_gemm.bf16_forward_blocks_fit(blocks, w1_EHD.shape[0], most=_BF16_DECODE_ROWS):
             # AVX512-BF16 CPUs without AMX: every block in one call per projection on bf16 dot
             # products (_small_gemm.BF16_FORWARD_MAX_ROWS says how much faster per product)
             return functools.partial(_kernel_blocks, blocks=blocks)

@@ -1213,8 +1213,8 @@ def test_bf16_forward_blocks_are_each_blocks_product_rounded_once(shape):
     w, x = torch.randn(3, O, I).bfloat16(), torch.randn(rows, I).bfloat16()
     wide = torch.full((rows, O + 7), float("nan"), dtype=torch.bfloat16)
     out = wide[:, 2 : O + 2]
-    past = _small_gemm.bf16_forward_max_rows() + 1  # (most, or on the Zen 4 EPYC the pieces' limit)
-    assert _small_gemm.bf16_forward_blocks_fit(blocks) and not _small_gemm.bf16_forward_blocks_fit([(0, 0, past)])
+    past = _small_gemm.bf16_forward_max_rows(3) + 1  # (most, or on the Zen 4 EPYC the pieces' limit)
+    assert _small_gemm.bf16_forward_blocks_fit(blocks, 3) and not _small_gemm.bf16_forward_blocks_fit([(0, 0, past)], 3)
     assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
     for e, start, stop in blocks:
         exact = x[start:stop].double() @ w[e].double().t()
@@ -1437,20 +1437,21 @@ def test_pieces_cut_blocks_past_the_most_rows_evenly_in_order():
 
 
 def test_bf16_blocks_past_the_kernels_most_rows_run_in_pieces_on_zen4(monkeypatch):
-    """On the Zen 4 EPYC (here made to say so) the forward and the input gradients through
-    weights of at most 1024 columns take blocks up to BF16_SPLIT_MAX_ROWS_ZEN4 rows, cut into
+    """On the Zen 4 EPYC (here made to say so) the forward (blocks up to
+    BF16_FORWARD_SPLIT_MAX_ROWS_ZEN4 rows) and the input gradients through weights of at most
+    1024 columns (up to BF16_SPLIT_MAX_ROWS_ZEN4) take blocks past their kernels' rows, cut into
     pieces of at most their kernels' rows: each block within one rounding of float64's product
     (all its rows written), bit for bit what the pieces make called one by one, by index as
     gathered; past that limit, and for the input gradients past 1024 columns, they decline."""
     _needs_bf16_blocks()
     monkeypatch.setattr(_small_gemm, "_zen4", lambda: True)
-    big = _small_gemm.BF16_SPLIT_MAX_ROWS_ZEN4
-    assert _small_gemm.bf16_forward_max_rows() == big
+    big, fwd_big = _small_gemm.BF16_SPLIT_MAX_ROWS_ZEN4, _small_gemm.BF16_FORWARD_SPLIT_MAX_ROWS_ZEN4
+    assert _small_gemm.bf16_forward_max_rows(3) == fwd_big
     fwd_most, grad_most = _small_gemm.BF16_FORWARD_MAX_ROWS, _small_gemm.BF16_INPUT_GRAD_MAX_ROWS
     O, I = 48, 96
     torch.manual_seed(21)
     w = torch.randn(3, O, I).bfloat16()
-    sizes = [fwd_most + 37, 3, big]
+    sizes = [fwd_most + 37, 3, fwd_big]
     blocks, start = [], 0
     for e, n in zip((2, 0, 1), sizes):
         blocks.append((e, start, start + n))
@@ -1469,7 +1470,11 @@ def test_bf16_blocks_past_the_kernels_most_rows_run_in_pieces_on_zen4(monkeypatc
         for _, a, b in _small_gemm._pieces([(e, first, stop)], fwd_most):
             alone = _small_gemm.linear_blocks(x[a:b], w[e : e + 1], [(0, 0, b - a)])
             assert torch.equal(out[a:b].view(torch.int16), alone.view(torch.int16))
-    assert not _small_gemm.bf16_forward_blocks_fit([(0, 0, big + 1)])
+    assert not _small_gemm.bf16_forward_blocks_fit([(0, 0, fwd_big + 1)], 3)
+    # one expert (a dense block): the kernels' own rows, past them torch's GEMM as nn.Linear's
+    assert _small_gemm.bf16_forward_max_rows(1) == fwd_most
+    assert _small_gemm.linear_blocks(x[: fwd_most + 1], w[:1], [(0, 0, fwd_most + 1)]) is None
+    assert _small_gemm.bf16_input_grad_max_rows(torch.empty(1, 64, 96, dtype=torch.bfloat16)) == grad_most
     # input gradients g·w_e through w [3, 64, 96] (96 columns)
     wg = torch.randn(3, 64, 96).bfloat16()
     grad_blocks = [(0, 0, grad_most + 1), (2, grad_most + 1, grad_most + 1 + big)]
