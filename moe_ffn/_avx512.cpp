@@ -1028,7 +1028,9 @@ bool whole_blocks(const int64_t* blocks, int64_t count, int threads) {
 
 // The blocks each of `parts` threads takes (owner[i]): the longest first, each to the thread
 // with the least work so far, a block's work counted as its rows plus 16 (its weight's read).
-std::vector<int64_t> block_owners(const int64_t* blocks, int64_t count, int64_t parts) {
+// (moe_ffn_team::block_owners keeps each expert's run of blocks on one thread, in order, as
+// weight gradients that add up need; these blocks write apart, so any thread may take any.)
+std::vector<int64_t> longest_first_owners(const int64_t* blocks, int64_t count, int64_t parts) {
   auto work = [&](int64_t i) { return blocks[4 * i + 2] - blocks[4 * i + 1] + 16; };
   std::vector<int64_t> order(count), load(parts, 0), owner(count);
   for (int64_t i = 0; i < count; ++i) order[i] = i;
@@ -1045,7 +1047,7 @@ std::vector<int64_t> block_owners(const int64_t* blocks, int64_t count, int64_t 
 // [first, last) of `units` (in steps of `step`) and calls run(e, start, stop, first, last, next)
 // for every block in turn (next: the following block's expert, -1 after the last). With
 // `whole` (and whole_blocks), each thread instead calls run(e, start, stop, 0, units, next) for
-// its own blocks (block_owners; next: its own next block's expert). -1 for a table it does not
+// its own blocks (longest_first_owners; next: its own next block's expert). -1 for a table it does not
 // take, or where a call returned false.
 template <typename Run>
 int over_blocks(const int64_t* blocks, int64_t count, int64_t experts, int64_t units, int64_t step, int64_t least,
@@ -1054,14 +1056,15 @@ int over_blocks(const int64_t* blocks, int64_t count, int64_t experts, int64_t u
   int failed = 0;
   whole = whole && whole_blocks(blocks, count, threads);
   const int64_t team_size = whole ? threads : std::min<int64_t>(threads, std::max<int64_t>(1, units / least));
+  // (once for the team; a team smaller than asked: its threads take the missing ones' blocks too)
+  const std::vector<int64_t> owner = whole ? longest_first_owners(blocks, count, team_size) : std::vector<int64_t>();
   on_team(make_team(parallel, thread_num, num_threads), team_size, [&](int64_t t, int64_t parts) {
     if (whole) {
-      const std::vector<int64_t> owner = block_owners(blocks, count, parts);
       int64_t i = 0;
-      while (i < count && owner[i] != t) ++i;
+      while (i < count && owner[i] % parts != t) ++i;
       while (i < count) {
         int64_t j = i + 1;
-        while (j < count && owner[j] != t) ++j;
+        while (j < count && owner[j] % parts != t) ++j;
         if (!run(blocks[4 * i], blocks[4 * i + 1], blocks[4 * i + 2], 0, units, j < count ? blocks[4 * j] : -1))
           __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         i = j;
