@@ -19,13 +19,13 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from moe_ffn import dispatch
+from moe_ffn import _decode, dispatch
 from moe_ffn._checks import check_features
 from moe_ffn.config import AuxLossNormalization, MoEConfig
 from moe_ffn.dense import GatedFFN
 from moe_ffn.experts import GatedExperts
 from moe_ffn.losses import load_balancing_loss, router_z_loss, tokens_per_expert
-from moe_ffn.router import TopKRouter
+from moe_ffn.router import RouterOutput, TopKRouter
 
 __all__ = ["MoE", "MoEStats", "collect_aux_loss", "pooled_load_balancing_loss", "update_expert_biases"]
 
@@ -161,9 +161,51 @@ class MoE(nn.Module):
             if cfg.jitter_scope == "router_and_experts":
                 x_TD = x_router_TD
 
-        # The named regions are what `moe-ffn profile` reports time shares for.
-        with _region("router"):
-            route = self.router(x_router_TD)
+        route = out_TD = None
+        if not self.training and not torch.is_grad_enabled() and self._decodes_in_one_call():
+            # a few tokens without autograd: the whole step in one call of the library
+            # (_decode.py: out_TD None where it does not run, route too unless the routing ran)
+            with _region("decode_step"):
+                out_TD, route = _decode.step(self.router, self.experts, x_TD)
+        if out_TD is None:
+            out_TD, num_dropped, route = self._routed(x_TD, x_router_TD, route)
+        else:
+            num_dropped = torch.zeros((), dtype=torch.int64)
+
+        if self.shared_experts is not None:
+            with _region("shared_experts"):
+                shared_TD = self.shared_experts(x_TD)
+                if self.shared_expert_gate is not None:
+                    shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+                out_TD = out_TD + shared_TD
+
+        self.stats = self._stats(route, num_dropped, mask_T)
+        if self.training and cfg.expert_bias_update_rate is not None:
+            self.expert_load += self.stats.tokens_per_expert_E
+        if self.training and self.dropout.p > 0:  # (an identity dropout call costs ~50 µs at decode)
+            out_TD = self.dropout(out_TD)
+        return out_TD.reshape(x.shape)
+
+    def _flat_mask(self, attention_mask: Tensor | None, token_shape: torch.Size) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        if tuple(attention_mask.shape) != tuple(token_shape):
+            raise ValueError(
+                f"attention_mask must have shape {tuple(token_shape)} (the input's shape without "
+                f"its last dim), got {tuple(attention_mask.shape)}"
+            )
+        return attention_mask.reshape(-1).to(torch.bool)
+
+    def _routed(
+        self, x_TD: Tensor, x_router_TD: Tensor, route: RouterOutput | None
+    ) -> tuple[Tensor, Tensor, RouterOutput]:
+        """(out_TD, the assignments dropped, route): router (unless `route` is given) → plan →
+        experts, in the layer's ops. The named regions are what `moe-ffn profile` reports time
+        shares for."""
+        cfg = self.config
+        if route is None:
+            with _region("router"):
+                route = self.router(x_router_TD)
         fused = self.experts.can_fuse_dispatch(x_TD)
         with _region("permute"):
             capacity = None
@@ -185,33 +227,20 @@ class MoE(nn.Module):
             with _region("experts"):
                 y_ND = self.experts(x_ND, plan.tokens_per_expert_E)
             with _region("unpermute"):
-                out_TD = dispatch.unpermute(y_ND, plan, route.weights_TK, x.dtype)
+                out_TD = dispatch.unpermute(y_ND, plan, route.weights_TK, x_TD.dtype)
+        return out_TD, plan.num_dropped, route
 
-        if self.shared_experts is not None:
-            with _region("shared_experts"):
-                shared_TD = self.shared_experts(x_TD)
-                if self.shared_expert_gate is not None:
-                    shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
-                out_TD = out_TD + shared_TD
+    def _decodes_in_one_call(self) -> bool:
+        """Whether this layer's parts are those `_decode.step` computes: its own router, gated
+        SiLU experts without biases whose dispatch may be fused (not a bank that moves rows
+        itself, as expert parallelism's), no capacity limit."""
+        experts = self.experts
+        return (
+            self.config.capacity_factor is None and type(self.router) is TopKRouter and isinstance(experts, GatedExperts)
+            and experts.fuses_dispatch and experts.gate_up_bias is None and experts.activation == "silu"
+        )
 
-        self.stats = self._stats(route, plan, mask_T)
-        if self.training and cfg.expert_bias_update_rate is not None:
-            self.expert_load += self.stats.tokens_per_expert_E
-        if self.training and self.dropout.p > 0:  # (an identity dropout call costs ~50 µs at decode)
-            out_TD = self.dropout(out_TD)
-        return out_TD.reshape(x.shape)
-
-    def _flat_mask(self, attention_mask: Tensor | None, token_shape: torch.Size) -> Tensor | None:
-        if attention_mask is None:
-            return None
-        if tuple(attention_mask.shape) != tuple(token_shape):
-            raise ValueError(
-                f"attention_mask must have shape {tuple(token_shape)} (the input's shape without "
-                f"its last dim), got {tuple(attention_mask.shape)}"
-            )
-        return attention_mask.reshape(-1).to(torch.bool)
-
-    def _stats(self, route, plan, mask_T: Tensor | None) -> MoEStats:
+    def _stats(self, route, num_dropped: Tensor, mask_T: Tensor | None) -> MoEStats:
         cfg = self.config
         return MoEStats(
             router_logits_TE=route.logits_TE,
@@ -219,7 +248,7 @@ class MoE(nn.Module):
             expert_ids_TK=route.expert_ids_TK,
             weights_TK=route.weights_TK,
             mask_T=mask_T,
-            num_dropped=plan.num_dropped,
+            num_dropped=num_dropped,
             num_experts=cfg.num_experts,
             aux_loss_normalization=cfg.aux_loss_normalization,
             aux_loss_coef=cfg.aux_loss_coef,

@@ -24,9 +24,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _clear_kernel_caches():
     """Forget what the kernel modules found out and cached (entry points, CPU checks)."""
-    from moe_ffn import _amx, _small_gemm
+    from moe_ffn import _amx, _decode, _small_gemm
 
-    for module in (_small_gemm, _amx):
+    for module in (_small_gemm, _amx, _decode):
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()

@@ -1,0 +1,227 @@
+// A decode step of a routed SwiGLU layer in one call, from the tokens to the layer's output:
+//
+//     logits = x·Rᵀ → scores → each token's k experts and combine weights → the plan (rows in
+//     expert order) → the experts' one-call forward (gather, x·w1ᵀ, silu(gate)·up, ·w2ᵀ, the
+//     weighted slot sum)
+//
+// for a few tokens (moe_ffn/decode.py says when and why). With the experts' weights streamed
+// from memory, every crossing from Python and every torch op of a decode step ran with its code
+// and data out of the caches: the router's ops, the plan and the way into the experts' call
+// cost ~0.3–0.5 ms a step around a ~0.8 ms read of the weights (fine-grained bf16, T = 1, on
+// the Zen 4 EPYC). Here those steps are plain loops on a few hundred numbers.
+//
+// The experts' part is the library's own one-call forward (moe_ffn_avx512_routed_swiglu_blocks_bf16
+// or moe_ffn_routed_swiglu_blocks_f32), given the blocks the layer's decode path gives it: the
+// same bits as that path for the same combine weights. bf16 logits are the router kernel's
+// (moe_ffn_avx512_router_logits_bf16: the router's own for a few bf16 tokens). float32 logits
+// are sums in double, each rounded once to float32. The scores and the combine weights are
+// computed in double from the float32 logits and each rounded once to float32 (torch's float32
+// softmax and division round at every step: the two differ in the last bits of a weight).
+// No Python or torch API here: plain pointers in, results written where the caller says.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+using bf16_t = uint16_t;
+
+extern "C" int moe_ffn_avx512_router_logits_bf16(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t ldw,
+                                                 float* logits, int64_t ldl, int64_t tokens, int64_t experts,
+                                                 int64_t dim);
+extern "C" int moe_ffn_avx512_routed_swiglu_blocks_bf16(const bf16_t* x, int64_t ldx, int64_t tokens,
+                                                        const int64_t* token, const float* weight, const bf16_t* w1,
+                                                        int64_t w1_expert, int64_t ldw1, const bf16_t* w2,
+                                                        int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim,
+                                                        int64_t features, const int64_t* blocks, int64_t count,
+                                                        int64_t rows, bf16_t* xg, bf16_t* h, bf16_t* a, bf16_t* y,
+                                                        bf16_t* out, int64_t* index, int threads, void* parallel,
+                                                        void* thread_num, void* num_threads);
+extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
+                                                const float* weight, const float* w1, int64_t w1_expert, int64_t ldw1,
+                                                const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts,
+                                                int64_t dim, int64_t features, const int64_t* blocks, int64_t count,
+                                                int64_t rows, float* xg, float* h, float* a, float* y, float* out,
+                                                void* linear1, void* linear2, int threads, void* parallel,
+                                                void* thread_num, void* num_threads);
+
+namespace {
+
+enum Kind { kFloat32 = 0, kBf16 = 1 };
+enum Routing { kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidTopk = 2 };
+
+// logits[t, e] = Σ_d x[t, d]·r[e, d] for float32 x and r: each product exact in double, the sum
+// in double (four lanes of four accumulators, then across), rounded to float32 once.
+void logits_f32(const float* x, int64_t ldx, const float* r, int64_t ldr, float* logits, int64_t tokens,
+                int64_t experts, int64_t dim) {
+  const int64_t whole = dim & ~int64_t{15};
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* xt = x + t * ldx;
+    for (int64_t e = 0; e < experts; ++e) {
+      const float* re = r + e * ldr;
+      __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+      for (int64_t d = 0; d < whole; d += 16)
+        for (int j = 0; j < 4; ++j)
+          acc[j] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(xt + d + 4 * j)),
+                                   _mm256_cvtps_pd(_mm_loadu_ps(re + d + 4 * j)), acc[j]);
+      alignas(32) double lanes[4];
+      _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
+      double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+      for (int64_t d = whole; d < dim; ++d) sum += static_cast<double>(xt[d]) * re[d];
+      logits[t * experts + e] = static_cast<float>(sum);
+    }
+  }
+}
+
+// One token's routing from its float32 logits l [E]: probs [E] (the distribution the balance
+// loss averages), ids [K] (the k largest of score + bias, largest first, equal ones lower
+// expert first) and weights [K]. `score`, `key`: scratch of E doubles, `best` of K. Returns
+// false for a logit that is not finite or a NaN bias (the caller leaves such steps to torch's
+// ops).
+bool route_token(const float* l, const float* bias, int routing, bool norm, double scale, int64_t experts,
+                 int64_t top_k, double* score, double* key, double* best, float* probs, int64_t* ids,
+                 float* weights) {
+  double top = -INFINITY;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (!std::isfinite(l[e])) return false;
+    top = std::max(top, static_cast<double>(l[e]));
+  }
+  double total = 0;
+  if (routing == kSigmoidTopk) {
+    for (int64_t e = 0; e < experts; ++e) total += score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])));
+  } else {
+    for (int64_t e = 0; e < experts; ++e) total += score[e] = std::exp(static_cast<double>(l[e]) - top);
+  }
+  for (int64_t e = 0; e < experts; ++e) probs[e] = static_cast<float>(score[e] / total);
+  if (routing == kSoftmaxTopk)
+    for (int64_t e = 0; e < experts; ++e) score[e] /= total;
+  // what the k are chosen by: the scores (softmax / sigmoid) or, for topk_softmax, the logits
+  for (int64_t e = 0; e < experts; ++e) {
+    key[e] = (routing == kTopkSoftmax ? static_cast<double>(l[e]) : score[e]) + (bias ? bias[e] : 0.0);
+    if (std::isnan(key[e])) return false;
+  }
+  int64_t filled = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (filled == top_k && !(key[e] > best[top_k - 1])) continue;
+    int64_t i = filled < top_k ? filled++ : top_k - 1;
+    for (; i > 0 && best[i - 1] < key[e]; --i) best[i] = best[i - 1], ids[i] = ids[i - 1];
+    best[i] = key[e], ids[i] = e;
+  }
+  double chosen = 0;
+  if (routing == kTopkSoftmax) {  // a softmax over the k chosen logits
+    for (int64_t k = 0; k < top_k; ++k) chosen += std::exp(static_cast<double>(l[ids[k]]) - top);
+    for (int64_t k = 0; k < top_k; ++k)
+      weights[k] = static_cast<float>(std::exp(static_cast<double>(l[ids[k]]) - top) / chosen * scale);
+    return true;
+  }
+  for (int64_t k = 0; k < top_k; ++k) chosen += score[ids[k]];
+  for (int64_t k = 0; k < top_k; ++k) weights[k] = static_cast<float>((norm ? score[ids[k]] / chosen : score[ids[k]]) * scale);
+  return true;
+}
+
+template <typename T>
+T* take(char* space, size_t& at, int64_t count) {
+  T* p = reinterpret_cast<T*>(space + at);
+  at += (static_cast<size_t>(count) * sizeof(T) + 63) & ~size_t{63};
+  return p;
+}
+
+}  // namespace
+
+// kind 0 (float32 x, router weight, experts' weights, out; linear1 / linear2 the linear-blocks
+// entry points moe_ffn_routed_swiglu_blocks_f32 is given for these blocks) or 1 (bf16 ones,
+// the AVX512-BF16 kernels). x [tokens, dim] rows ldx apart; router [experts, dim] rows ldr
+// apart; bias [experts] float32 or null (added to the scores for choosing only); routing 0
+// softmax_topk, 1 topk_softmax, 2 sigmoid_topk; norm: weights over the chosen scores' sum
+// (softmax_topk, sigmoid_topk); scale multiplies the weights. w1 [E, 2F, dim], w2 [E, dim, F]
+// with rows ldw1 / ldw2 and experts w1_expert / w2_expert elements apart. Writes logits, probs
+// [tokens, experts], ids, weights [tokens, top_k] (contiguous) and out [tokens, dim]
+// (contiguous, x's dtype: every row, zeros for a token without rows). Returns 0; 1 where a
+// logit is not finite (out not written; the caller runs the layer's ops instead); 2 where an
+// expert has more than most_rows rows, the most the experts' call takes (the routing written,
+// out not: the caller runs the experts' ops on it); -1 for arguments it does not take, a kernel
+// that is not ready or scratch that could not be had.
+extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t tokens, int64_t dim,
+                                   const void* router, int64_t ldr, const float* bias, int routing, int norm,
+                                   double scale, int64_t experts, int64_t top_k, const void* w1, int64_t w1_expert,
+                                   int64_t ldw1, const void* w2, int64_t w2_expert, int64_t ldw2, int64_t features,
+                                   int64_t most_rows, float* logits, float* probs, int64_t* ids, float* weights,
+                                   void* out, void* linear1, void* linear2, int threads, void* parallel,
+                                   void* thread_num, void* num_threads) {
+  if ((kind != kFloat32 && kind != kBf16) || routing < 0 || routing > 2 || tokens < 1 || dim < 1 || experts < 1 ||
+      top_k < 1 || top_k > experts || features < 1 || most_rows < 1 || threads < 1)
+    return -1;
+  if (kind == kBf16) {
+    if (moe_ffn_avx512_router_logits_bf16(static_cast<const bf16_t*>(x), ldx, static_cast<const bf16_t*>(router), ldr,
+                                          logits, experts, tokens, experts, dim) != 0)
+      return -1;
+  } else {
+    logits_f32(static_cast<const float*>(x), ldx, static_cast<const float*>(router), ldr, logits, tokens, experts, dim);
+  }
+  std::vector<double> score(static_cast<size_t>(2 * experts + top_k));
+  for (int64_t t = 0; t < tokens; ++t)
+    if (!route_token(logits + t * experts, bias, routing, norm != 0, scale, experts, top_k, score.data(),
+                     score.data() + experts, score.data() + 2 * experts, probs + t * experts, ids + t * top_k,
+                     weights + t * top_k))
+      return 1;
+
+  // the plan: rows in expert order, each expert's rows in the order of their assignments t·k + j
+  const int64_t rows = tokens * top_k, elt = kind == kBf16 ? 2 : 4;
+  const int64_t bytes = elt * rows * (2 * dim + 3 * features) + 8 * (tokens + 1 + 2 * rows + 4 * experts) + 4 * rows;
+  // (left uninitialised: every byte the kernels read is written first)
+  std::unique_ptr<char[]> owner(new (std::nothrow) char[static_cast<size_t>(bytes + 64 * 12)]);
+  if (!owner) return -1;
+  char* space = owner.get();
+  size_t at = (64 - reinterpret_cast<uintptr_t>(space) % 64) % 64;
+  int64_t* token = take<int64_t>(space, at, rows);
+  int64_t* table = take<int64_t>(space, at, 4 * experts);
+  int64_t* index = take<int64_t>(space, at, tokens + 1 + rows);
+  float* weight = take<float>(space, at, rows);
+  std::vector<int64_t> next(static_cast<size_t>(experts) + 1, 0);
+  for (int64_t n = 0; n < rows; ++n) ++next[ids[n] + 1];
+  for (int64_t e = 1; e <= experts; ++e)
+    if (next[e] > most_rows) return 2;
+  int64_t count = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (next[e + 1] > 0) {
+      int64_t* entry = table + 4 * count++;
+      entry[0] = e, entry[1] = next[e], entry[2] = next[e] + next[e + 1], entry[3] = 0;
+    }
+    next[e + 1] += next[e];
+  }
+  for (int64_t n = 0; n < rows; ++n) {
+    const int64_t at_row = next[ids[n]]++;
+    token[at_row] = n / top_k, weight[at_row] = weights[n];
+  }
+
+  if (kind == kBf16) {
+    auto* xg = take<bf16_t>(space, at, rows * dim);
+    auto* h = take<bf16_t>(space, at, rows * 2 * features);
+    auto* a = take<bf16_t>(space, at, rows * features);
+    auto* y = take<bf16_t>(space, at, rows * dim);
+    return moe_ffn_avx512_routed_swiglu_blocks_bf16(
+               static_cast<const bf16_t*>(x), ldx, tokens, token, weight, static_cast<const bf16_t*>(w1), w1_expert,
+               ldw1, static_cast<const bf16_t*>(w2), w2_expert, ldw2, experts, dim, features, table, count, rows, xg, h,
+               a, y, static_cast<bf16_t*>(out), index, threads, parallel, thread_num, num_threads) == 0
+               ? 0
+               : -1;
+  }
+  auto* xg = take<float>(space, at, rows * dim);
+  auto* h = take<float>(space, at, rows * 2 * features);
+  auto* a = take<float>(space, at, rows * features);
+  auto* y = take<float>(space, at, rows * dim);
+  std::memset(out, 0, sizeof(float) * tokens * dim);  // (the f32 forward adds into out)
+  return moe_ffn_routed_swiglu_blocks_f32(static_cast<const float*>(x), ldx, tokens, token, weight,
+                                          static_cast<const float*>(w1), w1_expert, ldw1,
+                                          static_cast<const float*>(w2), w2_expert, ldw2, experts, dim, features, table,
+                                          count, rows, xg, h, a, y, static_cast<float*>(out), linear1, linear2, threads,
+                                          parallel, thread_num, num_threads) == 0
+             ? 0
+             : -1;
+}

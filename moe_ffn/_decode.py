@@ -1,0 +1,142 @@
+"""A MoE layer's decode step in one call of the library (`_decode.cpp`): the router's logits,
+scores, top-k and combine weights, the dispatch plan and the experts' one-call forward with its
+weighted sum, for a few tokens on the CPU where nothing needs autograd.
+
+Why: a decode step reads its routed experts' weights once (~25 MB for the fine-grained bf16
+shape at T = 1, ~0.8 ms at this machine's memory read rate), and that stream empties the caches
+of everything else: every op of the router, of the plan and of the way into the experts' call
+then ran with its code and data fetched from memory again — ~0.3–0.5 ms a step, where the same
+calls cost ~0.05 ms back to back. Here those steps are one crossing from Python.
+
+Where it runs (`step` returns None elsewhere and the layer makes its usual calls): the layer's
+experts are `GatedExperts` with SiLU and no biases, no capacity limit, routing one of
+config.Routing's, at most MAX_TOKENS tokens, autograd off (no_grad / inference_mode), no
+autocast, not compiling; and the experts' part runs on the kernel the layer's decode path
+chooses for the same blocks — bf16 on AVX512-BF16 CPUs without AMX, float32 on the library's
+float32 kernels — so that part gives the same bits. The routing's bits: bf16 tokens' logits
+are the router's own kernel's; float32 tokens' logits are double sums rounded once (F.linear's
+float32 sums differ in the last bits); scores and weights are computed in double and rounded
+once (torch's float32 softmax and division round at each step). The same tokens can so get
+weights a few ulps apart with autograd on and off, and, on a near-tie, another expert.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from moe_ffn import _amx, _small_gemm, grouped
+from moe_ffn.router import RouterOutput
+
+__all__ = ["MAX_TOKENS", "step"]
+
+# The most tokens a step takes here: the router's few-token kernel's (router._FEW_TOKENS) and
+# the bf16 decode blocks' (grouped._BF16_DECODE_ROWS); float32 blocks past the kernels' rows
+# (BLOCKS_MAX_ROWS) come back to the layer's ops after the routing (status 2).
+MAX_TOKENS = 16
+
+_ROUTING = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_topk": 2}
+_FLOAT32, _BF16 = 0, 1
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_point():
+    """moe_ffn_decode_step with its argument types, or None where the library is not built."""
+    lib = _small_gemm.library()
+    fn = getattr(lib, "moe_ffn_decode_step", None) if lib is not None else None
+    if fn is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [
+        c_int, ptr, i64, i64, i64, ptr, i64, ptr, c_int, c_int, ctypes.c_double, i64, i64,  # x, router, routing
+        ptr, i64, i64, ptr, i64, i64, i64, i64,  # the experts' weights, F, most rows
+        ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # logits, probs, ids, weights, out, linear1, linear2
+        c_int, ptr, ptr, ptr,  # the team
+    ]
+    fn.restype = c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=64)
+def _kind(dtype: torch.dtype, rows: int, experts: int, hidden: int, dim: int, features: int):
+    """(kind, most rows of a block, linear1, linear2, torch's OpenMP entry points) of the
+    experts' call the layer's decode path makes here for a step of `rows` tokens of `dtype`
+    through `experts` experts' w1 [experts, hidden, dim] and w2 [experts, dim, features] (rows
+    contiguous), or None where it makes neither of the two this file calls
+    (grouped._ffn_forward_decode says which). Kept per process, as the library keeps its entry
+    points: the choice rests on the CPU, the library and torch's build alone, and asking again
+    was ~60 µs of a ~1 ms step with the caches emptied (tests that pretend another CPU clear it)."""
+    x_TD = torch.empty(rows, dim, dtype=dtype)  # (stand-ins of the step's tensors for the checks below)
+    w1_EHD = torch.empty((), dtype=dtype).expand(experts, hidden, dim)
+    w2_EDF = torch.empty((), dtype=dtype).expand(experts, dim, features)
+    T = rows
+    if x_TD.dtype == torch.bfloat16:
+        if not (
+            _small_gemm._bf16_blocks_entry_points() is not None and _amx.swiglu_forward_available()
+            and not _amx.available() and grouped._compute_dtype(x_TD) == torch.bfloat16
+        ):
+            return None
+        kernel = _small_gemm._kernel_for((x_TD,), None)
+        most = min(MAX_TOKENS, _small_gemm.bf16_forward_max_rows(w1_EHD.shape[0]))
+        return None if kernel is None else (_BF16, most, None, None, kernel[1])
+    if x_TD.dtype == torch.float32 and _small_gemm.available():
+        most = min(_small_gemm.BLOCKS_MAX_ROWS, _small_gemm.ranges().forward)
+        block = [(0, 0, min(T, most))]  # (the largest block the call takes)
+        first = _small_gemm._linear_blocks_kernel(x_TD, w1_EHD, block, None)
+        second = _small_gemm._linear_blocks_kernel(x_TD, w2_EDF, block, None)
+        if first is None or second is None:
+            return None
+        linear1, linear2 = (ctypes.cast(k[0], ctypes.c_void_p) for k in (first, second))
+        return _FLOAT32, most, linear1, linear2, first[1]
+    return None
+
+
+def step(router, experts, x_TD: Tensor) -> tuple[Optional[Tensor], Optional[RouterOutput]]:
+    """(out_TD, route) of the layer (`router`, `experts`) for tokens x_TD [T, D] in one call:
+    out_TD in x's dtype, route the router's output. (None, route) where the routing ran but a
+    block has more rows than the experts' call takes (the caller runs the experts' ops on that
+    route); (None, None) where the call does not run (see the module doc) or a logit is not
+    finite (the caller's ops then give torch's answer, NaN included)."""
+    fn = _entry_point()
+    T = x_TD.shape[0]
+    if fn is None or not 0 < T <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.stride(1) != 1:
+        return None, None
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+        return None, None
+    w1, w2, r = experts.gate_up_proj, experts.down_proj, router.weight
+    bias_E = router.expert_bias
+    if not (
+        x_TD.dtype == w1.dtype == w2.dtype == r.dtype and w1.stride(2) == 1 and w2.stride(2) == 1 and r.stride(1) == 1
+        and router.routing in _ROUTING and w1.device.type == w2.device.type == r.device.type == "cpu"
+        and (bias_E is None or (bias_E.dim() == 1 and bias_E.device.type == "cpu"))
+    ):
+        return None, None
+    if bias_E is not None:  # (a bf16 layer's `.to()` made it bf16; the router widens it as well)
+        bias_E = bias_E.to(torch.float32).contiguous()
+    (E, H, D), K = w1.shape, router.top_k
+    kind = _kind(x_TD.dtype, T, *w1.shape, w2.shape[2])
+    if kind is None:
+        return None, None
+    kind, most, linear1, linear2, team = kind
+    logits_TE, probs_TE = torch.empty(T, E), torch.empty(T, E)
+    ids_TK, weights_TK = torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
+    out_TD = torch.empty(T, D, dtype=x_TD.dtype)
+    status = fn(
+        kind, x_TD.data_ptr(), x_TD.stride(0), T, D, r.data_ptr(), r.stride(0),
+        None if bias_E is None else bias_E.data_ptr(), _ROUTING[router.routing], router.norm_topk_prob,
+        router.routed_scaling_factor, E, K, w1.data_ptr(), w1.stride(0), w1.stride(1), w2.data_ptr(), w2.stride(0),
+        w2.stride(1), H // 2, most, logits_TE.data_ptr(), probs_TE.data_ptr(), ids_TK.data_ptr(), weights_TK.data_ptr(),
+        out_TD.data_ptr(), linear1, linear2, torch.get_num_threads(), *team,
+    )
+    if status == 1:
+        return None, None
+    route = RouterOutput(logits_TE, probs_TE, ids_TK, weights_TK)
+    if status == 2:
+        return None, route
+    if status != 0:
+        raise RuntimeError(f"decode step: the library's call failed (status {status}) for x {tuple(x_TD.shape)}")
+    return out_TD, route

@@ -1,0 +1,235 @@
+"""A decode step in one call of the library (moe_ffn/_decode.py, _decode.cpp): where it runs,
+that it routes and computes what the per-token float64 reference does, that it gives the
+experts' part the same bits as the layer's ops for the same routing, and that everything it
+does not take goes back to the layer's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ffn import MoE, _decode
+from moe_ffn.router import RouterOutput
+from reference import moe_forward
+
+D, F, E, K = 64, 32, 16, 4
+
+
+def _kind_here(dtype: torch.dtype, tokens: int = 1):
+    return _decode._kind(dtype, tokens, E, 2 * F, D, F)
+
+
+def _needs_the_call(dtype: torch.dtype) -> None:
+    if _decode._entry_point() is None or _kind_here(dtype) is None:
+        pytest.skip(f"no one-call decode step for {dtype} here (library not built, or not this CPU's kernels)")
+
+
+def _layer(dtype=torch.float32, **fields) -> MoE:
+    torch.manual_seed(0)
+    return MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, **fields).to(dtype).eval()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """What each `_decode.step` of the test returned: (out_TD is not None, route is not None)."""
+    seen = []
+    step = _decode.step
+
+    def spy(*args):
+        out, route = step(*args)
+        seen.append((out is not None, route is not None))
+        return out, route
+
+    monkeypatch.setattr(_decode, "step", spy)
+    return seen
+
+
+def _reference(moe: MoE, x_TD: torch.Tensor, **routing) -> torch.Tensor:
+    r = moe.router
+    with torch.no_grad():
+        return moe_forward(
+            x_TD.double(), r.weight.double(), moe.experts.gate_up_proj.double(), moe.experts.down_proj.double(), K,
+            routing=r.routing, norm_topk_prob=r.norm_topk_prob, scale=r.routed_scaling_factor,
+            bias_E=None if r.expert_bias is None else r.expert_bias.double(),
+        )
+
+
+def _reference_route(moe: MoE, logits_TE: torch.Tensor):
+    """The float64 route of the step's own float32 logits: (ids [T, K], weights [T, K])."""
+    from reference import route_token
+
+    r = moe.router
+    bias = None if r.expert_bias is None else r.expert_bias.double()
+    routes = [route_token(l.double(), K, r.routing, r.norm_topk_prob, r.routed_scaling_factor, bias) for l in logits_TE]
+    return torch.tensor([ids for ids, _ in routes]), torch.stack([w for _, w in routes])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_the_step_runs_in_one_call_and_matches_the_float64_reference(dtype, tokens, calls):
+    _needs_the_call(dtype)
+    moe = _layer(dtype)
+    x = torch.randn(tokens, D).to(dtype)
+    with torch.no_grad():
+        y = moe(x)
+    assert calls and calls[-1][1], "the routing ran in the call"
+    if dtype == torch.bfloat16 or tokens <= 8:  # (float32 blocks past 8 rows may go back to the ops)
+        assert calls[-1][0], "the whole step ran in the call"
+    assert y.dtype == dtype and y.shape == x.shape
+    ref = _reference(moe, x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 + 8 * 2.0**-24 * float(ref.abs().max()))
+    else:  # bf16 weights and activations between the products: within a few bf16 units
+        torch.testing.assert_close(y.double(), ref, rtol=2**-6, atol=2**-6 * float(ref.abs().max()))
+    ids, weights = _reference_route(moe, moe.stats.router_logits_TE)
+    assert torch.equal(moe.stats.expert_ids_TK, ids)
+    # double sums rounded once to float32: within one float32 unit of the float64 weights
+    torch.testing.assert_close(moe.stats.weights_TK.double(), weights, rtol=2.0**-23, atol=0)
+    probs = torch.softmax(moe.stats.router_logits_TE.double(), -1)
+    torch.testing.assert_close(moe.stats.router_probs_TE.double(), probs, rtol=2.0**-23, atol=1e-12)
+    assert int(moe.stats.num_dropped) == 0 and int(moe.stats.tokens_per_expert_E.sum()) == tokens * K
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_part_is_the_layers_ops_bit_for_bit_on_the_same_route(dtype, calls, monkeypatch):
+    """Given the route the call made, the layer's own ops (plan, experts' op, weighted sum)
+    give the same output bits: the call runs the same kernels on the same blocks."""
+    _needs_the_call(dtype)
+    moe = _layer(dtype)
+    x = torch.randn(3, D).to(dtype)
+    with torch.no_grad():
+        y = moe(x)
+        route = RouterOutput(*(getattr(moe.stats, n) for n in ("router_logits_TE", "router_probs_TE", "expert_ids_TK", "weights_TK")))
+        monkeypatch.setattr(type(moe.router), "forward", lambda self, x_TD: route)
+        monkeypatch.setattr(type(moe), "_decodes_in_one_call", lambda self: False)
+        y_ops = moe(x)
+    assert calls == [(True, True)]
+    assert torch.equal(y, y_ops)
+
+
+def test_bf16_logits_are_the_routers_own():
+    _needs_the_call(torch.bfloat16)
+    moe = _layer(torch.bfloat16)
+    x = torch.randn(4, D).to(torch.bfloat16)
+    with torch.no_grad():
+        moe(x)
+        assert torch.equal(moe.stats.router_logits_TE, moe.router(x).logits_TE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(routing="topk_softmax"),
+        dict(routing="sigmoid_topk", norm_topk_prob=True, routed_scaling_factor=2.5),
+        dict(routing="sigmoid_topk", norm_topk_prob=False),
+        dict(norm_topk_prob=False),
+        dict(expert_bias_update_rate=1e-3),
+        dict(num_shared_experts=1, shared_expert_gate=True),
+    ],
+    ids=["topk_softmax", "sigmoid_norm_scaled", "sigmoid_unnormalised", "softmax_unnormalised", "expert_bias", "shared"],
+)
+def test_every_routing_rule_in_the_call_matches_the_reference(dtype, fields, calls):
+    _needs_the_call(dtype)
+    moe = _layer(dtype, **fields)
+    if moe.router.expert_bias is not None:  # a bias large enough to move the choice
+        moe.router.expert_bias.copy_(torch.linspace(-0.5, 0.5, E))
+    x = torch.randn(6, D).to(dtype)
+    with torch.no_grad():
+        y = moe(x)
+    assert calls == [(True, True)]
+    ids, weights = _reference_route(moe, moe.stats.router_logits_TE)
+    assert torch.equal(moe.stats.expert_ids_TK, ids)
+    torch.testing.assert_close(moe.stats.weights_TK.double(), weights, rtol=2.0**-23, atol=0)
+    if fields.get("num_shared_experts"):
+        # against the layer's own ops: the shared expert is added to the call's output
+        with torch.no_grad():
+            moe._decodes_in_one_call = lambda: False
+            y_ops = moe(x)
+        atol = 1e-5 if dtype == torch.float32 else 2**-6 * float(y_ops.abs().max())
+        torch.testing.assert_close(y.float(), y_ops.float(), rtol=0, atol=atol)
+        return
+    ref = _reference(moe, x)
+    tol = 1e-5 + 8 * 2.0**-24 * float(ref.abs().max()) if dtype == torch.float32 else 2**-6 * float(ref.abs().max())
+    torch.testing.assert_close(y.double(), ref, rtol=0 if dtype == torch.float32 else 2**-6, atol=tol)
+
+
+def test_equal_scores_take_the_lower_expert_first(calls):
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[[3, 5, 9, 12, 14]] = 1.0  # five equal logits for four places
+        x = torch.ones(1, D)
+        moe(x)
+    assert calls == [(True, True)]
+    assert moe.stats.expert_ids_TK.tolist() == [[3, 5, 9, 12]]
+    torch.testing.assert_close(moe.stats.weights_TK, torch.full((1, K), 0.25), rtol=0, atol=0)
+
+
+def test_float32_blocks_past_the_kernels_rows_go_back_to_the_layers_ops_with_the_calls_route(calls):
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    _, most, *_ = _kind_here(torch.float32, 16)
+    with torch.no_grad():
+        moe.router.weight[0] = 10.0  # expert 0 in every token's choice
+        x = torch.rand(most + 1, D) + 0.5
+        y = moe(x)
+    assert calls == [(False, True)]
+    assert (moe.stats.expert_ids_TK[:, 0] == 0).all()
+    ref = _reference(moe, x)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5 + 8 * 2.0**-24 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["autograd", "training", "17 tokens", "capacity", "expert biases", "gelu experts", "autocast", "nan"],
+)
+def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
+    _needs_the_call(torch.float32)
+    fields = {
+        "capacity": dict(capacity_factor=1.0),
+        "expert biases": dict(bias=True),
+        "gelu experts": dict(activation="gelu"),
+    }.get(case, {})
+    moe = _layer(**fields)
+    x = torch.randn(17 if case == "17 tokens" else 3, D)
+    if case == "nan":
+        x[1, 0] = float("nan")
+    if case == "training":
+        moe.train()
+    if case == "autograd":
+        y = moe(x.requires_grad_())
+        assert y.grad_fn is not None
+    else:
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.no_grad()
+        with torch.no_grad(), context:
+            y = moe(x)
+    if case in ("autograd", "training", "capacity", "expert biases", "gelu experts"):
+        assert calls == []
+    else:  # asked, declined: nothing ran in the call
+        assert calls == [(False, False)]
+    if case == "nan":
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    elif case != "autocast":
+        ref = _reference(moe, x.detach()) if case not in ("capacity", "expert biases", "gelu experts") else None
+        if ref is not None:
+            torch.testing.assert_close(y.detach().double(), ref, rtol=0, atol=1e-5 + 8 * 2.0**-24 * float(ref.abs().max()))
+
+
+def test_attention_mask_leaves_padding_out_of_the_calls_counts(calls):
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    x = torch.randn(1, 4, D)
+    mask = torch.tensor([[1, 1, 0, 1]])
+    with torch.no_grad():
+        moe(x, attention_mask=mask)
+    assert calls == [(True, True)]
+    assert int(moe.stats.tokens_per_expert_E.sum()) == 3 * K
+
+
+def test_a_wrong_width_is_refused_before_the_call(calls):
+    moe = _layer()
+    with torch.no_grad(), pytest.raises(ValueError, match=str(D)):
+        moe(torch.randn(1, D + 1))
+    assert calls == []
