@@ -11,7 +11,7 @@ calls cost ~0.05 ms back to back. Here those steps are one crossing from Python.
 Where it runs (`step` returns None elsewhere and the layer makes its usual calls): the layer's
 experts are `GatedExperts` with SiLU and no biases, no capacity limit, routing one of
 config.Routing's, at most MAX_TOKENS tokens, autograd off (no_grad / inference_mode), no
-autocast, not compiling; and the experts' part runs on the kernel the layer's decode path
+router jitter this step, no autocast, not compiling; and the experts' part runs on the kernel the layer's decode path
 chooses for the same blocks — bf16 on AVX512-BF16 CPUs without AMX, float32 on the library's
 float32 kernels — so that part gives the same bits. The routing's bits: bf16 tokens' logits
 are the router's own kernel's; float32 tokens' logits are double sums rounded once (F.linear's

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
 from torch.profiler import record_function
 
 from moe_ffn import _decode, dispatch
@@ -162,9 +163,10 @@ class MoE(nn.Module):
                 x_TD = x_router_TD
 
         route = out_TD = None
-        if not self.training and not torch.is_grad_enabled() and self._decodes_in_one_call():
-            # a few tokens without autograd: the whole step in one call of the library
-            # (_decode.py: out_TD None where it does not run, route too unless the routing ran)
+        if not torch.is_grad_enabled() and x_router_TD is x_TD and self._decodes_in_one_call():
+            # a few tokens without autograd (and no jitter): the whole step in one call of the
+            # library (_decode.py: out_TD None where it does not run, route too unless the
+            # routing ran); dropout and the load count below apply to it as to the ops' output
             with _region("decode_step"):
                 out_TD, route = _decode.step(self.router, self.experts, x_TD)
         if out_TD is None:
@@ -231,13 +233,16 @@ class MoE(nn.Module):
         return out_TD, plan.num_dropped, route
 
     def _decodes_in_one_call(self) -> bool:
-        """Whether this layer's parts are those `_decode.step` computes: its own router, gated
-        SiLU experts without biases whose dispatch may be fused (not a bank that moves rows
-        itself, as expert parallelism's), no capacity limit."""
-        experts = self.experts
+        """Whether this layer's parts are those `_decode.step` computes: its own router, with no
+        hooks on it (the profiler's routing overrides are forward hooks) and its own forward,
+        gated SiLU experts without biases whose dispatch may be fused (not a bank that moves
+        rows itself, as expert parallelism's), no capacity limit."""
+        router, experts = self.router, self.experts
         return (
-            self.config.capacity_factor is None and type(self.router) is TopKRouter and isinstance(experts, GatedExperts)
+            self.config.capacity_factor is None and type(router) is TopKRouter and isinstance(experts, GatedExperts)
             and experts.fuses_dispatch and experts.gate_up_bias is None and experts.activation == "silu"
+            and not (router._forward_hooks or router._forward_pre_hooks or "forward" in router.__dict__)
+            and not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks)
         )
 
     def _stats(self, route, num_dropped: Tensor, mask_T: Tensor | None) -> MoEStats:

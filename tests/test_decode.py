@@ -183,7 +183,7 @@ def test_float32_blocks_past_the_kernels_rows_go_back_to_the_layers_ops_with_the
 
 @pytest.mark.parametrize(
     "case",
-    ["autograd", "training", "17 tokens", "capacity", "expert biases", "gelu experts", "autocast", "nan"],
+    ["autograd", "jitter", "17 tokens", "capacity", "expert biases", "gelu experts", "autocast", "nan"],
 )
 def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
     _needs_the_call(torch.float32)
@@ -196,8 +196,8 @@ def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
     x = torch.randn(17 if case == "17 tokens" else 3, D)
     if case == "nan":
         x[1, 0] = float("nan")
-    if case == "training":
-        moe.train()
+    if case == "jitter":  # training with router jitter: the router sees other tokens than the experts
+        moe = _layer(jitter_noise=0.1, jitter_scope="router").train()
     if case == "autograd":
         y = moe(x.requires_grad_())
         assert y.grad_fn is not None
@@ -205,14 +205,14 @@ def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
         context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.no_grad()
         with torch.no_grad(), context:
             y = moe(x)
-    if case in ("autograd", "training", "capacity", "expert biases", "gelu experts"):
+    if case in ("autograd", "jitter", "capacity", "expert biases", "gelu experts"):
         assert calls == []
     else:  # asked, declined: nothing ran in the call
         assert calls == [(False, False)]
     if case == "nan":
         assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
     elif case != "autocast":
-        ref = _reference(moe, x.detach()) if case not in ("capacity", "expert biases", "gelu experts") else None
+        ref = _reference(moe, x.detach()) if case in ("autograd", "17 tokens") else None
         if ref is not None:
             torch.testing.assert_close(y.detach().double(), ref, rtol=0, atol=1e-5 + 8 * 2.0**-24 * float(ref.abs().max()))
 
@@ -233,3 +233,43 @@ def test_a_wrong_width_is_refused_before_the_call(calls):
     with torch.no_grad(), pytest.raises(ValueError, match=str(D)):
         moe(torch.randn(1, D + 1))
     assert calls == []
+
+
+def test_training_mode_without_autograd_runs_the_call_and_its_dropout(calls):
+    """A training-mode layer under no_grad (no jitter) takes the call; the layer's dropout then
+    applies to the call's output as to the ops'."""
+    _needs_the_call(torch.float32)
+    moe = _layer(dropout=0.5)
+    x = torch.randn(4, D)
+    with torch.no_grad():
+        y_eval = moe(x)
+        torch.manual_seed(1)
+        y_train = moe.train()(x)
+    assert calls == [(True, True), (True, True)]
+    dropped = y_train == 0
+    assert 0 < int(dropped.sum()) < dropped.numel()
+    torch.testing.assert_close(y_train[~dropped], 2 * y_eval[~dropped], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["router hook", "global hook", "router forward"])
+def test_a_hooked_or_replaced_router_runs_on_the_layers_ops(where, calls):
+    """Hooks on the router (the profiler's routing overrides are forward hooks) see the step."""
+    moe = _layer()
+    seen = []
+    if where == "router hook":
+        handle = moe.router.register_forward_hook(lambda module, args, out: seen.append(out))
+    elif where == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: seen.append(out) if module is moe.router else None
+        )
+    else:
+        plain = moe.router.forward
+        moe.router.forward = lambda x_TD: seen.append(x_TD) or plain(x_TD)
+        handle = None
+    try:
+        with torch.no_grad():
+            moe(torch.randn(2, D))
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert calls == [] and len(seen) == 1

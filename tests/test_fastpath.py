@@ -232,8 +232,13 @@ def test_decode_reads_only_the_active_experts(dtype):
 
 
 @pytest.mark.parametrize("dtype, tokens", [(torch.float32, 1), (torch.float32, T), (torch.bfloat16, 1), (torch.bfloat16, T)])
-def test_inference_forward_is_the_training_forward(dtype, tokens):
-    """Under no_grad the experts run without the autograd Function: the same output, bit for bit."""
+def test_inference_forward_is_the_training_forward(dtype, tokens, monkeypatch):
+    """Under no_grad the experts run without the autograd Function: the same output, bit for bit.
+    (A step of up to 16 tokens without autograd runs in one call of the library instead, whose
+    routing is computed in double and rounded once: its weights can differ from torch's float32
+    ops in the last bits, so it is switched off here; tests/test_decode.py shows its experts'
+    part bit for bit the layer's ops on the same route.)"""
+    monkeypatch.setattr(MoE, "_decodes_in_one_call", lambda self: False)
     moe = _moe().to(dtype)
     x = torch.randn(tokens, D, dtype=dtype)
     with torch.no_grad():

@@ -2226,6 +2226,8 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
     if not _amx.swiglu_forward_available():
         pytest.skip("the bf16 SwiGLU pass does not run here")
     torch.manual_seed(3)
+    # (the layer's ops: a step without autograd would otherwise run in one call of _decode.py)
+    monkeypatch.setattr(MoE, "_decodes_in_one_call", lambda self: False)
     moe = MoE(dim=64, hidden_dim=48, num_experts=8, top_k=2).to(torch.bfloat16)
     x, g = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     real, ran = _small_gemm.bf16_routed_swiglu_blocks, []
