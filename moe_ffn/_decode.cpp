@@ -142,7 +142,10 @@ T* take(char* space, size_t& at, int64_t count) {
 // (softmax_topk, sigmoid_topk); scale multiplies the weights. w1 [E, 2F, dim], w2 [E, dim, F]
 // with rows ldw1 / ldw2 and experts w1_expert / w2_expert elements apart. Writes logits, probs
 // [tokens, experts], ids, weights [tokens, top_k] (contiguous) and out [tokens, dim]
-// (contiguous, x's dtype: every row, zeros for a token without rows). Returns 0; 1 where a
+// (contiguous, x's dtype: every row, zeros for a token without rows); where given (autograd
+// keeps them for backward), h_out [tokens·top_k, 2F] (x's dtype) the rows' first projection,
+// plan_out the plan as int64s (the rows' assignments t·top_k + j [rows], their tokens [rows],
+// each expert's rows [experts]) and weight_out [rows] their combine weights. Returns 0; 1 where a
 // logit is not finite (out not written; the caller runs the layer's ops instead); 2 where an
 // expert has more than most_rows rows, the most the experts' call takes (the routing written,
 // out not: the caller runs the experts' ops on it); -1 for arguments it does not take, a kernel
@@ -152,8 +155,8 @@ extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t
                                    double scale, int64_t experts, int64_t top_k, const void* w1, int64_t w1_expert,
                                    int64_t ldw1, const void* w2, int64_t w2_expert, int64_t ldw2, int64_t features,
                                    int64_t most_rows, float* logits, float* probs, int64_t* ids, float* weights,
-                                   void* out, void* linear1, void* linear2, int threads, void* parallel,
-                                   void* thread_num, void* num_threads) {
+                                   void* out, void* h_out, int64_t* plan_out, float* weight_out, void* linear1,
+                                   void* linear2, int threads, void* parallel, void* thread_num, void* num_threads) {
   if ((kind != kFloat32 && kind != kBf16) || routing < 0 || routing > 2 || tokens < 1 || dim < 1 || experts < 1 ||
       top_k < 1 || top_k > experts || features < 1 || most_rows < 1 || threads < 1)
     return -1;
@@ -198,11 +201,18 @@ extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t
   for (int64_t n = 0; n < rows; ++n) {
     const int64_t at_row = next[ids[n]]++;
     token[at_row] = n / top_k, weight[at_row] = weights[n];
+    if (plan_out) plan_out[at_row] = n;
   }
+  if (plan_out) {  // order [rows], token [rows], counts [experts]
+    std::memcpy(plan_out + rows, token, sizeof(int64_t) * rows);
+    for (int64_t e = 0; e < experts; ++e) plan_out[2 * rows + e] = 0;
+    for (int64_t c = 0; c < count; ++c) plan_out[2 * rows + table[4 * c]] = table[4 * c + 2] - table[4 * c + 1];
+  }
+  if (weight_out) std::memcpy(weight_out, weight, sizeof(float) * rows);
 
   if (kind == kBf16) {
     auto* xg = take<bf16_t>(space, at, rows * dim);
-    auto* h = take<bf16_t>(space, at, rows * 2 * features);
+    auto* h = h_out ? static_cast<bf16_t*>(h_out) : take<bf16_t>(space, at, rows * 2 * features);
     auto* a = take<bf16_t>(space, at, rows * features);
     auto* y = take<bf16_t>(space, at, rows * dim);
     return moe_ffn_avx512_routed_swiglu_blocks_bf16(
@@ -213,7 +223,7 @@ extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t
                : -1;
   }
   auto* xg = take<float>(space, at, rows * dim);
-  auto* h = take<float>(space, at, rows * 2 * features);
+  auto* h = h_out ? static_cast<float*>(h_out) : take<float>(space, at, rows * 2 * features);
   auto* a = take<float>(space, at, rows * features);
   auto* y = take<float>(space, at, rows * dim);
   std::memset(out, 0, sizeof(float) * tokens * dim);  // (the f32 forward adds into out)
@@ -224,4 +234,73 @@ extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t
                                           parallel, thread_num, num_threads) == 0
              ? 0
              : -1;
+}
+
+// The backward of the routing above for `tokens` tokens: from the float32 logits [tokens,
+// experts], the chosen ids [tokens, top_k] and the gradients of the combine weights —
+// grad_rows [rows] in the plan's order (order [rows]: each row's assignment t·top_k + j; the
+// experts' backward gives these) and/or grad_weights [tokens, top_k] — of the probs [tokens,
+// experts] and of the logits themselves (each null where none came), the gradient of the
+// logits, grad_logits [tokens, experts] float32: the chain rule through the weights (a
+// softmax over the chosen logits for softmax_topk with norm and topk_softmax, the full
+// softmax's Jacobian without norm; for sigmoid_topk the sigmoid's, after the normalisation's
+// where norm), through probs (softmax's Jacobian, or the normalised sigmoid's), plus the
+// logits' own, in double, each rounded once. The bias chose the experts only: no gradient.
+// Returns 0, or -1 for arguments it does not take.
+extern "C" int moe_ffn_decode_routing_backward(int routing, int norm, double scale, int64_t tokens, int64_t experts,
+                                               int64_t top_k, const float* logits, const int64_t* ids,
+                                               const int64_t* order, const float* grad_rows,
+                                               const float* grad_weights, const float* grad_probs,
+                                               const float* grad_logits_in, float* grad_logits) {
+  if (routing < 0 || routing > 2 || tokens < 1 || experts < 1 || top_k < 1 || top_k > experts) return -1;
+  const int64_t rows = tokens * top_k;
+  std::vector<double> gw(static_cast<size_t>(rows), 0.0);  // d loss / d weight, per assignment
+  if (grad_rows)
+    for (int64_t n = 0; n < rows; ++n) gw[order[n]] += grad_rows[n];
+  if (grad_weights)
+    for (int64_t n = 0; n < rows; ++n) gw[n] += grad_weights[n];
+  std::vector<double> score(static_cast<size_t>(experts)), dl(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    const int64_t* id = ids + t * top_k;
+    const double* g = gw.data() + t * top_k;
+    double top = -INFINITY, total = 0;
+    for (int64_t e = 0; e < experts; ++e) top = std::max(top, static_cast<double>(l[e]));
+    for (int64_t e = 0; e < experts; ++e) {
+      total += score[e] = routing == kSigmoidTopk ? 1.0 / (1.0 + std::exp(-static_cast<double>(l[e])))
+                                                   : std::exp(static_cast<double>(l[e]) - top);
+      dl[e] = grad_logits_in ? grad_logits_in[t * experts + e] : 0.0;
+    }
+    // through the weights: w_k = scale·ŵ_k
+    if (routing != kSigmoidTopk && (norm || routing == kTopkSoftmax)) {  // ŵ = softmax over the chosen
+      double chosen = 0, dot = 0;
+      for (int64_t k = 0; k < top_k; ++k) chosen += score[id[k]];
+      for (int64_t k = 0; k < top_k; ++k) dot += score[id[k]] / chosen * g[k];
+      for (int64_t k = 0; k < top_k; ++k) dl[id[k]] += scale * score[id[k]] / chosen * (g[k] - dot);
+    } else if (routing == kSoftmaxTopk) {  // ŵ = p at the chosen: p's Jacobian
+      double dot = 0;
+      for (int64_t k = 0; k < top_k; ++k) dot += score[id[k]] / total * g[k];
+      for (int64_t e = 0; e < experts; ++e) dl[e] -= scale * score[e] / total * dot;
+      for (int64_t k = 0; k < top_k; ++k) dl[id[k]] += scale * score[id[k]] / total * g[k];
+    } else {  // sigmoid: ŵ = s at the chosen (over their sum where norm)
+      double chosen = 0, dot = 0;
+      for (int64_t k = 0; k < top_k; ++k) chosen += score[id[k]];
+      for (int64_t k = 0; k < top_k; ++k) dot += score[id[k]] / chosen * g[k];
+      for (int64_t k = 0; k < top_k; ++k) {
+        const double s = score[id[k]], ds = norm ? (g[k] - dot) / chosen : g[k];
+        dl[id[k]] += scale * ds * s * (1.0 - s);
+      }
+    }
+    if (grad_probs) {  // probs = score / total
+      const float* gp = grad_probs + t * experts;
+      double dot = 0;
+      for (int64_t e = 0; e < experts; ++e) dot += score[e] / total * gp[e];
+      for (int64_t e = 0; e < experts; ++e) {
+        const double dprob = (gp[e] - dot) / total;  // d loss / d score[e]
+        dl[e] += routing == kSigmoidTopk ? dprob * score[e] * (1.0 - score[e]) : dprob * score[e];
+      }
+    }
+    for (int64_t e = 0; e < experts; ++e) grad_logits[t * experts + e] = static_cast<float>(dl[e]);
+  }
+  return 0;
 }

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from moe_ffn import _amx, _small_gemm, grouped
 from moe_ffn.router import RouterOutput
@@ -60,7 +61,8 @@ def _entry_point():
     fn.argtypes = [
         c_int, ptr, i64, i64, i64, ptr, i64, ptr, c_int, c_int, ctypes.c_double, i64, i64,  # x, router, routing
         ptr, i64, i64, ptr, i64, i64, i64, i64,  # the experts' weights, F, most rows
-        ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # logits, probs, ids, weights, out, linear1, linear2
+        ptr, ptr, ptr, ptr, ptr,  # logits, probs, ids, weights, out
+        ptr, ptr, ptr, ptr, ptr,  # (kept for backward:) h, plan, rows' weights; linear1, linear2
         c_int, ptr, ptr, ptr,  # the team
     ]
     fn.restype = c_int
@@ -101,12 +103,44 @@ def _kind(dtype: torch.dtype, rows: int, experts: int, hidden: int, dim: int, fe
     return None
 
 
+class _Declined(Exception):
+    """The call ran the routing (route) or nothing (None) and left the rest to the layer's ops."""
+
+    def __init__(self, route: Optional[RouterOutput]) -> None:
+        super().__init__()
+        self.route = route
+
+
+def _run(fn, args: tuple, x_TD: Tensor, E: int, K: int, h_NH=None, plan=None, weight_N=None):
+    """The library's call into new tensors: (out_TD, logits_TE, probs_TE, ids_TK, weights_TK);
+    _Declined where it did not run the experts."""
+    T, D = x_TD.shape
+    logits_TE, probs_TE = torch.empty(T, E), torch.empty(T, E)
+    ids_TK, weights_TK = torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
+    out_TD = torch.empty(T, D, dtype=x_TD.dtype)
+    kept = (None, None, None) if h_NH is None else (h_NH.data_ptr(), plan.data_ptr(), weight_N.data_ptr())
+    status = fn(
+        *args[0], logits_TE.data_ptr(), probs_TE.data_ptr(), ids_TK.data_ptr(), weights_TK.data_ptr(),
+        out_TD.data_ptr(), *kept, *args[1],
+    )
+    if status == 1:
+        raise _Declined(None)
+    if status == 2:
+        raise _Declined(RouterOutput(logits_TE, probs_TE, ids_TK, weights_TK))
+    if status != 0:
+        raise RuntimeError(f"decode step: the library's call failed (status {status}) for x {tuple(x_TD.shape)}")
+    return out_TD, logits_TE, probs_TE, ids_TK, weights_TK
+
+
 def step(router, experts, x_TD: Tensor) -> tuple[Optional[Tensor], Optional[RouterOutput]]:
     """(out_TD, route) of the layer (`router`, `experts`) for tokens x_TD [T, D] in one call:
     out_TD in x's dtype, route the router's output. (None, route) where the routing ran but a
     block has more rows than the experts' call takes (the caller runs the experts' ops on that
     route); (None, None) where the call does not run (see the module doc) or a logit is not
-    finite (the caller's ops then give torch's answer, NaN included)."""
+    finite (the caller's ops then give torch's answer, NaN included). With autograd on, the
+    outputs and the route's logits, probs and weights carry one node (`_DecodeStep`) whose
+    backward gives x, the router's and the experts' weights their gradients (once: as the
+    experts' op of the layer's ops, it has no second derivative)."""
     fn = _entry_point()
     T = x_TD.shape[0]
     if fn is None or not 0 < T <= MAX_TOKENS or x_TD.device.type != "cpu" or x_TD.stride(1) != 1:
@@ -128,21 +162,97 @@ def step(router, experts, x_TD: Tensor) -> tuple[Optional[Tensor], Optional[Rout
     if kind is None:
         return None, None
     kind, most, linear1, linear2, team = kind
-    logits_TE, probs_TE = torch.empty(T, E), torch.empty(T, E)
-    ids_TK, weights_TK = torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
-    out_TD = torch.empty(T, D, dtype=x_TD.dtype)
-    status = fn(
-        kind, x_TD.data_ptr(), x_TD.stride(0), T, D, r.data_ptr(), r.stride(0),
-        None if bias_E is None else bias_E.data_ptr(), _ROUTING[router.routing], router.norm_topk_prob,
-        router.routed_scaling_factor, E, K, w1.data_ptr(), w1.stride(0), w1.stride(1), w2.data_ptr(), w2.stride(0),
-        w2.stride(1), H // 2, most, logits_TE.data_ptr(), probs_TE.data_ptr(), ids_TK.data_ptr(), weights_TK.data_ptr(),
-        out_TD.data_ptr(), linear1, linear2, torch.get_num_threads(), *team,
+    routing = (_ROUTING[router.routing], router.norm_topk_prob, router.routed_scaling_factor)
+    args = (
+        (
+            kind, x_TD.data_ptr(), x_TD.stride(0), T, D, r.data_ptr(), r.stride(0),
+            None if bias_E is None else bias_E.data_ptr(), *routing, E, K, w1.data_ptr(), w1.stride(0),
+            w1.stride(1), w2.data_ptr(), w2.stride(0), w2.stride(1), H // 2, most,
+        ),
+        (linear1, linear2, torch.get_num_threads(), *team),
     )
-    if status == 1:
-        return None, None
-    route = RouterOutput(logits_TE, probs_TE, ids_TK, weights_TK)
-    if status == 2:
-        return None, route
-    if status != 0:
-        raise RuntimeError(f"decode step: the library's call failed (status {status}) for x {tuple(x_TD.shape)}")
-    return out_TD, route
+    recorded = torch.is_grad_enabled() and (x_TD.requires_grad or r.requires_grad or w1.requires_grad or w2.requires_grad)
+    try:
+        if recorded:
+            out_TD, *route = _DecodeStep.apply(x_TD, r, w1, w2, (fn, args, routing))
+        else:
+            out_TD, *route = _run(fn, args, x_TD, E, K)
+    except _Declined as declined:  # (a route made here carries no graph: with autograd the ops route again)
+        return None, None if recorded else declined.route
+    return out_TD, RouterOutput(*route)
+
+
+@functools.lru_cache(maxsize=None)
+def _routing_backward_entry_point():
+    """moe_ffn_decode_routing_backward with its argument types (where the step's call is built)."""
+    fn = _small_gemm.library().moe_ffn_decode_routing_backward
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [c_int, c_int, ctypes.c_double, i64, i64, i64] + [ptr] * 8
+    fn.restype = c_int
+    return fn
+
+
+def _ptr(t: Optional[Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+class _DecodeStep(torch.autograd.Function):
+    """The step's call as one autograd node: outputs (out_TD, logits_TE, probs_TE, ids_TK,
+    weights_TK). Its backward: the experts' (grouped._routed_ffn_backward on the call's plan and
+    first projection: the layer's own backward of the experts' op), the routing's
+    (moe_ffn_decode_routing_backward: the logits' gradient in double from the weights', probs'
+    and logits' gradients) and the router's product's (_small_gemm.router_backward for bf16,
+    as the router's own backward for a few tokens; float32 products otherwise), x's two parts
+    added in x's dtype as autograd adds them."""
+
+    @staticmethod
+    def forward(ctx, x_TD, r_ED, w1_EHD, w2_EDF, call):
+        fn, args, routing = call
+        (E, H, _), T, K = w1_EHD.shape, x_TD.shape[0], args[0][12]
+        N = T * K
+        h_NH = torch.empty(N, H, dtype=x_TD.dtype)
+        plan = torch.empty(2 * N + E, dtype=torch.int64)  # order [N], token [N], counts [E]
+        weight_N = torch.empty(N)
+        out_TD, logits_TE, probs_TE, ids_TK, weights_TK = _run(fn, args, x_TD, E, K, h_NH, plan, weight_N)
+        ctx.save_for_backward(x_TD, r_ED, w1_EHD, w2_EDF, h_NH, plan, weight_N, logits_TE, ids_TK)
+        ctx.routing = routing
+        ctx.mark_non_differentiable(ids_TK)
+        ctx.set_materialize_grads(False)
+        return out_TD, logits_TE, probs_TE, ids_TK, weights_TK
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out, g_logits, g_probs, _g_ids, g_weights):
+        x_TD, r_ED, w1_EHD, w2_EDF, h_NH, plan, weight_N, logits_TE, ids_TK = ctx.saved_tensors
+        need_x, need_r, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        (T, D), (E, H, _) = x_TD.shape, w1_EHD.shape
+        N = weight_N.shape[0]
+        gx = gw1 = gw2 = g_rows = None
+        if g_out is not None and (need_x or need_r or need_w1 or need_w2):
+            gx, gw1, gw2, _, _, g_rows = grouped._routed_ffn_backward(
+                g_out.contiguous(), x_TD, h_NH, w1_EHD, w2_EDF, plan[2 * N :], plan[N : 2 * N], weight_N, None,
+                "silu", True, need_x, need_w1 or need_w2, need_x or need_r,
+            )
+        gr = None
+        if (need_x or need_r) and (g_rows is not None or g_weights is not None or g_probs is not None or g_logits is not None):
+            g_logits_TE = torch.empty(T, E)
+            contiguous = [None if g is None else g.contiguous() for g in (g_weights, g_probs, g_logits)]
+            status = _routing_backward_entry_point()(
+                *ctx.routing, T, E, ids_TK.shape[1], logits_TE.data_ptr(), ids_TK.data_ptr(), plan.data_ptr(),
+                _ptr(g_rows), *(_ptr(g) for g in contiguous), g_logits_TE.data_ptr(),
+            )
+            if status != 0:
+                raise RuntimeError(f"decode step: the routing's backward failed (status {status})")
+            router = _small_gemm.router_backward(g_logits_TE, x_TD, r_ED, need_x, need_r)
+            if router is None:  # float32 (or the kernel not here): the products of F.linear's backward
+                g32 = g_logits_TE.to(x_TD.dtype) if x_TD.dtype == torch.float64 else g_logits_TE
+                router = (
+                    torch.mm(g32, r_ED.to(g32.dtype)).to(x_TD.dtype) if need_x else None,
+                    torch.mm(g32.t(), x_TD.to(g32.dtype)).to(r_ED.dtype) if need_r else None,
+                )
+            gx_router, gr = router
+            if need_x:
+                gx = gx_router if gx is None else gx + gx_router
+        return (
+            gx if need_x else None, gr if need_r else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None,
+        )

@@ -163,10 +163,10 @@ class MoE(nn.Module):
                 x_TD = x_router_TD
 
         route = out_TD = None
-        if not torch.is_grad_enabled() and x_router_TD is x_TD and self._decodes_in_one_call():
-            # a few tokens without autograd (and no jitter): the whole step in one call of the
-            # library (_decode.py: out_TD None where it does not run, route too unless the
-            # routing ran); dropout and the load count below apply to it as to the ops' output
+        if not torch.compiler.is_compiling() and x_router_TD is x_TD and self._decodes_in_one_call():
+            # a few tokens (and no jitter): the whole step in one call of the library, with
+            # autograd one node (_decode.py: out_TD None where it does not run, route too unless
+            # the routing ran); dropout and the load count below apply to it as to the ops'
             with _region("decode_step"):
                 out_TD, route = _decode.step(self.router, self.experts, x_TD)
         if out_TD is None:

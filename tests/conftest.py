@@ -33,6 +33,15 @@ def _clear_kernel_caches():
 
 
 @pytest.fixture
+def layer_ops(monkeypatch):
+    """MoE layers on their ops (router → plan → experts' op), the one-call decode step
+    (moe_ffn/_decode.py) switched off: for tests that pin the calls those ops make."""
+    from moe_ffn import MoE
+
+    monkeypatch.setattr(MoE, "_decodes_in_one_call", lambda self: False)
+
+
+@pytest.fixture
 def torch_kernels_only(monkeypatch):
     """moe_ffn without its own CPU kernel (moe_ffn/_small_gemm.py): every product on torch's
     kernels, as on machines where the kernel is not built. For tests of that path's choices.

@@ -13,6 +13,10 @@ import torch
 from moe_ffn import MoE, _amx, _small_gemm
 from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
+# The layers here run on their ops, whose calls these tests pin (the one-call decode step of
+# moe_ffn/_decode.py, which float32 layers take on AMX CPUs too, is switched off).
+pytestmark = pytest.mark.usefixtures("layer_ops")
+
 U32 = 2.0**-24  # float32 unit roundoff (the kernel's sums)
 U16 = 2.0**-8  # bf16's (each result rounded once)
 bf16 = torch.bfloat16

@@ -183,7 +183,7 @@ def test_float32_blocks_past_the_kernels_rows_go_back_to_the_layers_ops_with_the
 
 @pytest.mark.parametrize(
     "case",
-    ["autograd", "jitter", "17 tokens", "capacity", "expert biases", "gelu experts", "autocast", "nan"],
+    ["jitter", "17 tokens", "capacity", "expert biases", "gelu experts", "autocast", "nan"],
 )
 def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
     _needs_the_call(torch.float32)
@@ -198,21 +198,17 @@ def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
         x[1, 0] = float("nan")
     if case == "jitter":  # training with router jitter: the router sees other tokens than the experts
         moe = _layer(jitter_noise=0.1, jitter_scope="router").train()
-    if case == "autograd":
-        y = moe(x.requires_grad_())
-        assert y.grad_fn is not None
-    else:
-        context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.no_grad()
-        with torch.no_grad(), context:
-            y = moe(x)
-    if case in ("autograd", "jitter", "capacity", "expert biases", "gelu experts"):
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.no_grad()
+    with torch.no_grad(), context:
+        y = moe(x)
+    if case in ("jitter", "capacity", "expert biases", "gelu experts"):
         assert calls == []
     else:  # asked, declined: nothing ran in the call
         assert calls == [(False, False)]
     if case == "nan":
         assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
     elif case != "autocast":
-        ref = _reference(moe, x.detach()) if case in ("autograd", "17 tokens") else None
+        ref = _reference(moe, x.detach()) if case == "17 tokens" else None
         if ref is not None:
             torch.testing.assert_close(y.detach().double(), ref, rtol=0, atol=1e-5 + 8 * 2.0**-24 * float(ref.abs().max()))
 
@@ -273,3 +269,84 @@ def test_a_hooked_or_replaced_router_runs_on_the_layers_ops(where, calls):
         if handle is not None:
             handle.remove()
     assert calls == [] and len(seen) == 1
+
+
+def _grads(moe: MoE, x: torch.Tensor, g: torch.Tensor, one_call: bool, monkeypatch) -> list[torch.Tensor]:
+    """Gradients of x and every parameter of Σ y·g + aux loss, with the call or the layer's ops."""
+    monkeypatch.setattr(type(moe), "_decodes_in_one_call", _ONE_CALL if one_call else (lambda self: False))
+    moe.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    y = moe(leaf)
+    ((y.float() * g.float()).sum() + 10 * moe.stats.aux_loss).backward()
+    return [leaf.grad, *(p.grad for p in moe.parameters())]
+
+
+_ONE_CALL = MoE._decodes_in_one_call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(), dict(norm_topk_prob=False), dict(routing="topk_softmax"), dict(routing="sigmoid_topk", routed_scaling_factor=2.5),
+     dict(routing="sigmoid_topk", norm_topk_prob=False)],
+    ids=["softmax_topk", "softmax_unnormalised", "topk_softmax", "sigmoid_scaled", "sigmoid_unnormalised"],
+)
+def test_with_autograd_the_call_is_one_node_with_the_reference_gradients(dtype, fields, calls, monkeypatch):
+    """x's, the router's and the experts' gradients through the call (its outputs and the aux
+    losses on its logits and probs) against float64 autograd of the per-token reference and the
+    layer's ops."""
+    _needs_the_call(dtype)
+    moe = _layer(dtype, aux_loss_coef=0.01, z_loss_coef=0.001, **fields).train()
+    x, g = torch.randn(5, D).to(dtype), torch.randn(5, D).to(dtype)
+    got = _grads(moe, x, g, True, monkeypatch)
+    assert calls == [(True, True)]
+    ops = _grads(moe, x, g, False, monkeypatch)
+    # float64 autograd of the reference loop (the output's part; the aux losses as moe_ffn's losses)
+    params = [p.detach().double().requires_grad_() for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    leaf = x.double().requires_grad_()
+    r = moe.router
+    y = moe_forward(leaf, *params, K, routing=r.routing, norm_topk_prob=r.norm_topk_prob, scale=r.routed_scaling_factor)
+    (y * g.double()).sum().backward()
+    for a, b, name in zip(got, ops, ["x", "router", "gate_up", "down"]):
+        scale = float(b.float().abs().max())
+        tol = 1e-5 * scale if dtype == torch.float32 else 2**-6 * scale
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"{name} against the ops")
+    if not moe.config.aux_loss_coef:
+        return
+    for a, ref, name in zip([got[2], got[3]], [params[1].grad, params[2].grad], ["gate_up", "down"]):
+        # the experts' weights get no aux-loss gradient: their gradient is the reference's
+        scale = float(ref.abs().max())
+        tol = 1e-5 * scale if dtype == torch.float32 else 2**-5 * scale
+        torch.testing.assert_close(a.double(), ref, rtol=0, atol=tol, msg=f"{name} against float64")
+
+
+def test_a_backward_that_records_a_graph_is_refused_as_by_the_layers_ops(calls, monkeypatch):
+    """create_graph: neither the call's node nor the experts' op of the layer's ops has a
+    second derivative; both say so."""
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    for one_call in (True, False):
+        monkeypatch.setattr(type(moe), "_decodes_in_one_call", _ONE_CALL if one_call else (lambda self: False))
+        leaf = torch.randn(3, D, requires_grad=True)
+        (gx,) = torch.autograd.grad(moe(leaf).square().sum(), leaf, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
+            gx.square().sum().backward()
+    assert calls == [(True, True)]
+
+
+def test_with_autograd_blocks_past_the_kernels_rows_route_again_on_the_layers_ops(calls, monkeypatch):
+    """A step the call gives back after routing (status 2) routes again by the ops, whose route
+    carries the router's gradient."""
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    _, most, *_ = _kind_here(torch.float32, 16)
+    with torch.no_grad():
+        moe.router.weight[0] = 0.05  # expert 0 in every token's choice, its softmax not saturated
+    x, g = torch.rand(most + 1, D) + 0.5, torch.randn(most + 1, D)
+    got = _grads(moe, x, g, True, monkeypatch)
+    assert calls == [(False, False)]
+    assert (moe.stats.expert_ids_TK == 0).any(dim=1).all()
+    ops = _grads(moe, x, g, False, monkeypatch)
+    assert got[1].abs().sum() > 0
+    for a, b in zip(got, ops):
+        assert torch.equal(a, b)

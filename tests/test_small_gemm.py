@@ -15,6 +15,10 @@ import torch
 from moe_ffn import MoE, _amx, _small_gemm, grouped
 from reference import BF16_TIE_ROWS, BF16_TIE_T, moe_forward, routed_rows
 
+# The layers here run on their ops, whose calls these tests pin: a decode step's one call
+# (moe_ffn/_decode.py, tested in test_decode.py) is switched off.
+pytestmark = pytest.mark.usefixtures("layer_ops")
+
 U = 2.0**-24  # float32 unit roundoff
 
 on_x86_linux_with_avx2 = (
@@ -2226,8 +2230,6 @@ def test_native_bf16_routed_swiglu_blocks_in_the_layer(monkeypatch):
     if not _amx.swiglu_forward_available():
         pytest.skip("the bf16 SwiGLU pass does not run here")
     torch.manual_seed(3)
-    # (the layer's ops: a step without autograd would otherwise run in one call of _decode.py)
-    monkeypatch.setattr(MoE, "_decodes_in_one_call", lambda self: False)
     moe = MoE(dim=64, hidden_dim=48, num_experts=8, top_k=2).to(torch.bfloat16)
     x, g = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     real, ran = _small_gemm.bf16_routed_swiglu_blocks, []
