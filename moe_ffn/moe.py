@@ -6,6 +6,9 @@ Each stage lives in its own module and data flows one way:
 router.py (which experts, what weights) → dispatch.py (rows into expert order) →
 experts.py (grouped matmuls over the batched weights) → dispatch.py (back, weighted sum).
 The layer keeps the routing of its last forward in `self.stats` (no global lists).
+A step of a few tokens on CPU runs those stages in one call of the library instead
+(`_decode.py`: the same stages in C++, with autograd one node), where the layer's parts are
+the ones it computes.
 """
 
 from __future__ import annotations

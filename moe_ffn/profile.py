@@ -112,8 +112,10 @@ DEFAULT_PRESET = Preset(
 # Regions the MoE forward labels with record_function, in pipeline order. On CPU the dispatch
 # is fused into the experts' op (grouped.routed_ffn): "permute" is the routing plan alone and
 # the gather and weighted sum count under "experts", so "unpermute" appears only on the
-# unfused paths (CUDA, expert parallelism); `all_to_all` only with expert parallelism.
-REGIONS = ("router", "permute", "experts", "unpermute", "shared_experts", "all_to_all")
+# unfused paths (CUDA, expert parallelism); `all_to_all` only with expert parallelism. A step
+# of up to 16 tokens on CPU runs router, plan and experts in one call of the library
+# (moe_ffn/_decode.py): one "decode_step" region then, in place of the first three.
+REGIONS = ("router", "permute", "experts", "decode_step", "unpermute", "shared_experts", "all_to_all")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -192,3 +192,18 @@ def test_run_is_deterministic_and_counts_drops(tmp_path):
     assert "unpermute" not in a.region_ms
     assert all(v >= 0 for v in a.region_ms.values()) and a.region_ms["experts"] > 0
     assert a.peak_memory_bytes and a.peak_memory_bytes > 0
+
+
+def test_a_decode_sized_step_is_one_region(tmp_path):
+    """A step of a few tokens runs in one call of the library (moe_ffn/_decode.py): its trace
+    shows the "decode_step" region in place of router, permute and experts."""
+    from moe_ffn import _decode
+
+    if _decode._entry_point() is None or _decode._kind(torch.float32, 8, 4, 96, 32, 48) is None:
+        pytest.skip("no one-call decode step here (library not built, or not this CPU's kernels)")
+    path = tmp_path / "small.toml"
+    path.write_text('name = "small"\nnum_layers = 2\n[moe]\ndim = 32\nhidden_dim = 48\nnum_experts = 4\ntop_k = 2\n')
+    a = run_profile(ProfileOptions(config=str(path), tokens=8, steps=1, trace_steps=1, seed=7,
+                                   logdir=str(tmp_path / "runs"), progress=False, run_name="decode"))
+    assert a.region_ms["decode_step"] > 0
+    assert not {"router", "permute", "experts"} & set(a.region_ms)
