@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "_entry_points.h"
 #include "_team.h"
 
 using moe_ffn_team::make_team;

@@ -30,26 +30,9 @@
 #include <new>
 #include <vector>
 
-using bf16_t = uint16_t;
+#include "_entry_points.h"
 
-extern "C" int moe_ffn_avx512_router_logits_bf16(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t ldw,
-                                                 float* logits, int64_t ldl, int64_t tokens, int64_t experts,
-                                                 int64_t dim);
-extern "C" int moe_ffn_avx512_routed_swiglu_blocks_bf16(const bf16_t* x, int64_t ldx, int64_t tokens,
-                                                        const int64_t* token, const float* weight, const bf16_t* w1,
-                                                        int64_t w1_expert, int64_t ldw1, const bf16_t* w2,
-                                                        int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim,
-                                                        int64_t features, const int64_t* blocks, int64_t count,
-                                                        int64_t rows, bf16_t* xg, bf16_t* h, bf16_t* a, bf16_t* y,
-                                                        bf16_t* out, int64_t* index, int threads, void* parallel,
-                                                        void* thread_num, void* num_threads);
-extern "C" int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
-                                                const float* weight, const float* w1, int64_t w1_expert, int64_t ldw1,
-                                                const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts,
-                                                int64_t dim, int64_t features, const int64_t* blocks, int64_t count,
-                                                int64_t rows, float* xg, float* h, float* a, float* y, float* out,
-                                                void* linear1, void* linear2, int threads, void* parallel,
-                                                void* thread_num, void* num_threads);
+using bf16_t = uint16_t;
 
 namespace {
 

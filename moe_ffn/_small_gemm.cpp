@@ -57,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "_entry_points.h"
 #include "_team.h"
 
 // `#pragma GCC unroll 32` before a loop of a few compile-time steps: unrolled whole, so that GCC
