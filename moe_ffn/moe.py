@@ -166,7 +166,10 @@ class MoE(nn.Module):
                 x_TD = x_router_TD
 
         route = out_TD = None
-        if not torch.compiler.is_compiling() and x_router_TD is x_TD and self._decodes_in_one_call():
+        if (
+            not torch.compiler.is_compiling()  # (first: no guard on the token count in a traced graph)
+            and x_TD.shape[0] <= _decode.MAX_TOKENS and x_router_TD is x_TD and self._decodes_in_one_call()
+        ):
             # a few tokens (and no jitter): the whole step in one call of the library, with
             # autograd one node (_decode.py: out_TD None where it does not run, route too unless
             # the routing ran); dropout and the load count below apply to it as to the ops'

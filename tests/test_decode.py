@@ -201,7 +201,7 @@ def test_what_the_call_does_not_take_runs_on_the_layers_ops(case, calls):
     context = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else torch.no_grad()
     with torch.no_grad(), context:
         y = moe(x)
-    if case in ("jitter", "capacity", "expert biases", "gelu experts"):
+    if case in ("jitter", "17 tokens", "capacity", "expert biases", "gelu experts"):
         assert calls == []
     else:  # asked, declined: nothing ran in the call
         assert calls == [(False, False)]
