@@ -229,10 +229,13 @@ class _DecodeStep(torch.autograd.Function):
         N = weight_N.shape[0]
         gx = gw1 = gw2 = g_rows = None
         if g_out is not None and (need_x or need_r or need_w1 or need_w2):
+            # (x's gradient asked for always: the experts' one-call backward makes all of them,
+            # and at a decode step's few rows it costs next to nothing)
             gx, gw1, gw2, _, _, g_rows = grouped._routed_ffn_backward(
                 g_out.contiguous(), x_TD, h_NH, w1_EHD, w2_EDF, plan[2 * N :], plan[N : 2 * N], weight_N, None,
-                "silu", True, need_x, need_w1 or need_w2, need_x or need_r,
+                "silu", True, True, need_w1 or need_w2, True,
             )
+            gx = gx if need_x else None
         gr = None
         if (need_x or need_r) and (g_rows is not None or g_weights is not None or g_probs is not None or g_logits is not None):
             g_logits_TE = torch.empty(T, E)

@@ -350,3 +350,22 @@ def test_with_autograd_blocks_past_the_kernels_rows_route_again_on_the_layers_op
     assert got[1].abs().sum() > 0
     for a, b in zip(got, ops):
         assert torch.equal(a, b)
+
+
+def test_an_input_without_gradient_gives_the_parameters_the_layers_gradients(calls, monkeypatch):
+    """x without a gradient (a model trained from its MoE layers on): the call's node still
+    gives every parameter the gradient the layer's ops give it."""
+    _needs_the_call(torch.float32)
+    moe = _layer()
+    x, g = torch.randn(3, D), torch.randn(3, D)
+
+    def grads(one_call: bool):
+        monkeypatch.setattr(type(moe), "_decodes_in_one_call", _ONE_CALL if one_call else (lambda self: False))
+        moe.zero_grad(set_to_none=True)
+        (moe(x) * g).sum().backward()
+        return [p.grad for p in moe.parameters()]
+
+    got, ops = grads(True), grads(False)
+    assert calls == [(True, True)]
+    for a, b in zip(got, ops):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
