@@ -81,19 +81,18 @@ def _kind(dtype: torch.dtype, rows: int, experts: int, hidden: int, dim: int, fe
     x_TD = torch.empty(rows, dim, dtype=dtype)  # (stand-ins of the step's tensors for the checks below)
     w1_EHD = torch.empty((), dtype=dtype).expand(experts, hidden, dim)
     w2_EDF = torch.empty((), dtype=dtype).expand(experts, dim, features)
-    T = rows
-    if x_TD.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         if not (
             _small_gemm._bf16_blocks_entry_points() is not None and _amx.swiglu_forward_available()
             and not _amx.available() and grouped._compute_dtype(x_TD) == torch.bfloat16
         ):
             return None
         kernel = _small_gemm._kernel_for((x_TD,), None)
-        most = min(MAX_TOKENS, _small_gemm.bf16_forward_max_rows(w1_EHD.shape[0]))
+        most = min(MAX_TOKENS, _small_gemm.bf16_forward_max_rows(experts))
         return None if kernel is None else (_BF16, most, None, None, kernel[1])
-    if x_TD.dtype == torch.float32 and _small_gemm.available():
+    if dtype == torch.float32 and _small_gemm.available():
         most = min(_small_gemm.BLOCKS_MAX_ROWS, _small_gemm.ranges().forward)
-        block = [(0, 0, min(T, most))]  # (the largest block the call takes)
+        block = [(0, 0, min(rows, most))]  # (the largest block the call takes)
         first = _small_gemm._linear_blocks_kernel(x_TD, w1_EHD, block, None)
         second = _small_gemm._linear_blocks_kernel(x_TD, w2_EDF, block, None)
         if first is None or second is None:
