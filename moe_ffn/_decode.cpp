@@ -89,6 +89,8 @@ bool route_token(const float* l, const float* bias, int routing, bool norm, doub
     key[e] = (routing == kTopkSoftmax ? static_cast<double>(l[e]) : score[e]) + (bias ? bias[e] : 0.0);
     if (std::isnan(key[e])) return false;
   }
+  // (the top-k kernel's insertion, moe_ffn_topk_ids's `offer`, on double keys: its float32
+  // scores would tie where these do not)
   int64_t filled = 0;
   for (int64_t e = 0; e < experts; ++e) {
     if (filled == top_k && !(key[e] > best[top_k - 1])) continue;
@@ -157,41 +159,31 @@ extern "C" int moe_ffn_decode_step(int kind, const void* x, int64_t ldx, int64_t
                      weights + t * top_k))
       return 1;
 
-  // the plan: rows in expert order, each expert's rows in the order of their assignments t·k + j
+  // the plan (moe_ffn_plan_rows: rows in expert order, each expert's rows in the order of their
+  // assignments t·k + j), into plan_out where autograd keeps it: order [rows], token [rows],
+  // counts [experts]
   const int64_t rows = tokens * top_k, elt = kind == kBf16 ? 2 : 4;
-  const int64_t bytes = elt * rows * (2 * dim + 3 * features) + 8 * (tokens + 1 + 2 * rows + 4 * experts) + 4 * rows;
+  const int64_t bytes = elt * rows * (2 * dim + 3 * features) + 8 * (tokens + 1 + 4 * rows + 5 * experts) + 4 * rows;
   // (left uninitialised: every byte the kernels read is written first)
-  std::unique_ptr<char[]> owner(new (std::nothrow) char[static_cast<size_t>(bytes + 64 * 12)]);
+  std::unique_ptr<char[]> owner(new (std::nothrow) char[static_cast<size_t>(bytes + 64 * 14)]);
   if (!owner) return -1;
   char* space = owner.get();
   size_t at = (64 - reinterpret_cast<uintptr_t>(space) % 64) % 64;
-  int64_t* token = take<int64_t>(space, at, rows);
+  int64_t* plan = plan_out ? plan_out : take<int64_t>(space, at, 2 * rows + experts);
+  int64_t *order = plan, *token = plan + rows, *counts = plan + 2 * rows;
   int64_t* table = take<int64_t>(space, at, 4 * experts);
   int64_t* index = take<int64_t>(space, at, tokens + 1 + rows);
-  float* weight = take<float>(space, at, rows);
-  std::vector<int64_t> next(static_cast<size_t>(experts) + 1, 0);
-  for (int64_t n = 0; n < rows; ++n) ++next[ids[n] + 1];
-  for (int64_t e = 1; e <= experts; ++e)
-    if (next[e] > most_rows) return 2;
+  float* weight = weight_out ? weight_out : take<float>(space, at, rows);
+  if (moe_ffn_plan_rows(ids, rows, experts, top_k, order, counts, token) != 0) return -1;
   int64_t count = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (next[e + 1] > 0) {
+  for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
+    if (counts[e] > most_rows) return 2;
+    if (counts[e] > 0) {
       int64_t* entry = table + 4 * count++;
-      entry[0] = e, entry[1] = next[e], entry[2] = next[e] + next[e + 1], entry[3] = 0;
+      entry[0] = e, entry[1] = start, entry[2] = start + counts[e], entry[3] = 0;
     }
-    next[e + 1] += next[e];
   }
-  for (int64_t n = 0; n < rows; ++n) {
-    const int64_t at_row = next[ids[n]]++;
-    token[at_row] = n / top_k, weight[at_row] = weights[n];
-    if (plan_out) plan_out[at_row] = n;
-  }
-  if (plan_out) {  // order [rows], token [rows], counts [experts]
-    std::memcpy(plan_out + rows, token, sizeof(int64_t) * rows);
-    for (int64_t e = 0; e < experts; ++e) plan_out[2 * rows + e] = 0;
-    for (int64_t c = 0; c < count; ++c) plan_out[2 * rows + table[4 * c]] = table[4 * c + 2] - table[4 * c + 1];
-  }
-  if (weight_out) std::memcpy(weight_out, weight, sizeof(float) * rows);
+  for (int64_t n = 0; n < rows; ++n) weight[n] = weights[order[n]];
 
   if (kind == kBf16) {
     auto* xg = take<bf16_t>(space, at, rows * dim);

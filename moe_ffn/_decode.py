@@ -224,8 +224,7 @@ class _DecodeStep(torch.autograd.Function):
     def backward(ctx, g_out, g_logits, g_probs, _g_ids, g_weights):
         x_TD, r_ED, w1_EHD, w2_EDF, h_NH, plan, weight_N, logits_TE, ids_TK = ctx.saved_tensors
         need_x, need_r, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        (T, D), (E, H, _) = x_TD.shape, w1_EHD.shape
-        N = weight_N.shape[0]
+        T, E, N = x_TD.shape[0], w1_EHD.shape[0], weight_N.shape[0]
         gx = gw1 = gw2 = g_rows = None
         if g_out is not None and (need_x or need_r or need_w1 or need_w2):
             # (x's gradient asked for always: the experts' one-call backward makes all of them,
@@ -246,11 +245,10 @@ class _DecodeStep(torch.autograd.Function):
             if status != 0:
                 raise RuntimeError(f"decode step: the routing's backward failed (status {status})")
             router = _small_gemm.router_backward(g_logits_TE, x_TD, r_ED, need_x, need_r)
-            if router is None:  # float32 (or the kernel not here): the products of F.linear's backward
-                g32 = g_logits_TE.to(x_TD.dtype) if x_TD.dtype == torch.float64 else g_logits_TE
+            if router is None:  # float32: the products of F.linear's backward
                 router = (
-                    torch.mm(g32, r_ED.to(g32.dtype)).to(x_TD.dtype) if need_x else None,
-                    torch.mm(g32.t(), x_TD.to(g32.dtype)).to(r_ED.dtype) if need_r else None,
+                    torch.mm(g_logits_TE, r_ED) if need_x else None,
+                    torch.mm(g_logits_TE.t(), x_TD) if need_r else None,
                 )
             gx_router, gr = router
             if need_x:

@@ -19,6 +19,8 @@ int moe_ffn_avx512_routed_swiglu_blocks_bf16(const uint16_t* x, int64_t ldx, int
                                              void* thread_num, void* num_threads);
 
 // _small_gemm.cpp
+int moe_ffn_plan_rows(const int64_t* ids, int64_t n, int64_t experts, int64_t top_k, int64_t* order, int64_t* counts,
+                      int64_t* token);
 int moe_ffn_routed_swiglu_blocks_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
                                      const float* weight, const float* w1, int64_t w1_expert, int64_t ldw1,
                                      const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim,
