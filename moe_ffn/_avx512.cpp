@@ -127,13 +127,15 @@ inline void store16(bf16_t* at, __m512 v, __mmask16 lanes) { _mm256_mask_storeu_
 struct RowLines {
   const char* at = nullptr;
   int64_t ld = 0, bytes = 0, offset = 0, rows = 0;
+  const int64_t* index = nullptr;  // (where given, the rows are at + index[i]·ld, i = 0, 1, ...)
   void step() {
     if (rows == 0) return;
-    _mm_prefetch(at + offset, _MM_HINT_T1);
+    _mm_prefetch((index ? at + *index * ld : at) + offset, _MM_HINT_T1);
     offset += 64;
     if (offset >= bytes) {
       offset = 0;
-      at += ld;
+      if (index) ++index;
+      else at += ld;
       --rows;
     }
   }
@@ -296,11 +298,16 @@ constexpr int64_t kMatmulRows = 96;
 // every tile. Zen 4 EPYC (2026-12-07), builds alternated in one process (pair ratios' median),
 // layer fp32 forward+backward: fine-grained T = 256 0.971× (9 rounds of 3 layers), T = 2048
 // 0.988× (3 of 2), Mixtral T = 256 0.986× (7 of 3), fine T = 16 level.
-__attribute__((noipa)) const float* pack_panel(const float* b, int64_t ldb, int64_t depth) {
-  alignas(64) static thread_local float panel[kMatmulDepth * 64];
-  for (int64_t s = 0; s < depth; ++s)
-    MOE_UNROLL for (int j = 0; j < 4; ++j)
-      _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(b + s * ldb + 16 * j));
+// (into `panel` where given, 64-byte aligned, depth × 64 floats; b's row s is its row
+// index[s] where `index` is given)
+__attribute__((noipa)) const float* pack_panel(const float* b, int64_t ldb, int64_t depth, float* panel = nullptr,
+                                               const int64_t* index = nullptr) {
+  alignas(64) static thread_local float own[kMatmulDepth * 64];
+  if (panel == nullptr) panel = own;
+  for (int64_t s = 0; s < depth; ++s) {
+    const float* row = b + (index ? index[s] : s) * ldb;
+    MOE_UNROLL for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + s * 64 + 16 * j, _mm512_loadu_ps(row + 16 * j));
+  }
   return panel;
 }
 
@@ -636,44 +643,79 @@ void whole_sums(const P& p, int64_t first, int64_t last_column) {
   matmul_pass<true, false>(p, 0, p.m, 0, p.k, first, last_column);
 }
 
-// The weight gradient from kPanelLeast to kMatmulDepth rows k: c's rows [first, last) column
+// The weight gradient from kPanelLeast to kPanelMost rows k: c's rows [first, last) column
 // panel by column panel, each panel of b (k rows of 64 columns) copied once into contiguous
-// memory that stays in L1 while every strip of c's rows passes over it, and a's columns
-// [first, last) transposed once into `at` (each of c's rows' k values contiguous). Where they
-// lie, b's rows (the input's, 4–14 KiB apart) and a's (the output gradient's, 4–28 KiB apart)
-// fall into one or two L1 sets, so rows_range read both from L2 at every step. The columns past
-// the last whole panel as rows_range takes them; the panels by pack_panel (the blocked
-// product's, kMatmulDepth deep). Returns false (nothing done) where `at` could not be had. 2-core Xeon (2026-12-05; 8 weights in turn, GFLOP/s, rows_range → here,
+// memory that every strip of c's rows passes over, and a's columns [first, last) transposed
+// once into `at` (each of c's rows' k values contiguous): each element of c summed over all of
+// k in its register tile and stored once. Where they lie, b's rows (the input's, 4–14 KiB
+// apart) and a's (the output gradient's, 4–28 KiB apart) fall into one or two L1 sets, so
+// rows_range read both from L2 at every step. The columns past the last whole panel as
+// rows_range takes them. Returns false (nothing done) where the scratch could not be had.
+// 2-core Xeon (2026-12-05; 8 weights in turn, GFLOP/s, rows_range → here,
 // alternated runs): 7168×1024 at 16 / 32 / 64 / 96 rows 183–185 / 227–241 / 245–250 / 254–259
 // → 207–220 / 265–275 / 293–296 / 275–289, 1024×3584 169–180 / 215–223 / 231–242 / 226–228 →
 // 243–251 / 265–271 / 302–320 / 318–319; 64 weights at 32 rows 1024×1024 202–204 → 243–247,
 // 1024×512 192–198 → 234–235; at 1–8 rows level.
+// Past kMatmulDepth rows the panel (k·256 bytes) no longer fits L1, and each step of a tile
+// reads its 256 bytes from L2 (24 FMAs a step, ~10 bytes a cycle of L2's 64) or L3: on the Zen 4
+// EPYC (2026-12-07; one call for all blocks, E·rows = 16384 or 4096, median of 5, two runs,
+// GFLOP/s) against the blocked product's passes of kMatmulDepth steps, which add each pass's
+// sums to c: 64 weights 1024×1024 at 256 rows 164 / 171 → 201–203, 1024×512 164–181 →
+// 186–201; 7168×1024 at 512 rows 170–181 → 197–200, 1024×3584 186–191 → 206–207; 1024×1024 at
+// 1024 rows 162–196 → 208–211 (`at` whole in those runs). c's rows are taken kAtFloats / k at
+// a time, so that `at` stays at most 4 MiB (each chunk packs b's panels again: k·64 copies
+// against rows·k·64 FMAs): with 1 MiB the dense blocks' 2048-row products ran behind the
+// blocked product (1024×4096 199 → 183 GFLOP/s), with 4 MiB and the next panel prefetched
+// ahead of them (8192×1024 / 1024×4096 / 14336×1024 / 1024×7168, two runs each) 194–198 →
+// 200–207 / 194–203 → 204–208 / 198 → 201–205 / 200–203 → 203–204. At 4096 rows 1024×1024
+// 194–195 → 187–191, and at 8192 rows (126-row chunks, the panel 2 MiB, in L3) 190–203 →
+// 168–184: to kPanelMost rows only.
 constexpr int64_t kPanelLeast = 16;
+constexpr int64_t kPanelMost = 2048;
+constexpr int64_t kAtFloats = 1 << 20;
+// c's rows [r0, r1) over b's whole panels of 64 columns (see panels_range), `at` and the
+// panel in the caller's scratch. While the row tiles run over a panel, they prefetch the next
+// one into L2, a line a step: the next panel's rows lie a row of b apart (4–28 KiB, each on
+// its own page), which the hardware's streams do not follow, and the packing had waited on
+// each line; `then`: the first panel of the next chunk of rows, after the last.
 template <bool ACCUMULATE, bool STREAM>
-bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
-  const int64_t count = last - first;
-  float* at = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>(count * p.k) * sizeof(float)));
-  if (at == nullptr) return false;
-  transpose_columns(p.a, p.lda, p.k, first, last, at);
+void panels_chunk(const WeightGrad& p, int64_t r0, int64_t r1, float* at, float* panel_at, bool then) {
+  const int64_t count = r1 - r0;
+  transpose_columns(p.a, p.lda, p.k, r0, r1, at);
   const int64_t whole = p.n / 64 * 64;
   for (int64_t q = 0; q < whole; q += 64) {
-    const float* panel = pack_panel(p.b + q, p.ldb, p.k);
+    const float* panel = pack_panel(p.b + q, p.ldb, p.k, panel_at, p.b_index);
+    const int64_t next = q + 64 < whole ? q + 64 : (then ? 0 : -1);
+    RowLines lines;
+    if (next >= 0) lines = RowLines{reinterpret_cast<const char*>(p.b + next), p.ldb * 4, 64 * 4, 0, p.k, p.b_index};
     const float* a = at;
-    float* c = p.c + first * p.ldc + q;
+    float* c = p.c + r0 * p.ldc + q;
     int64_t r = 0;
     for (; r + 6 <= count; r += 6)
-      tile<6, 4, false, ACCUMULATE, STREAM, true>(a + r * p.k, p.k, panel, 64, c + r * p.ldc, p.ldc, p.k, 0xFFFF);
+      tile<6, 4, false, ACCUMULATE, STREAM, true>(a + r * p.k, p.k, panel, 64, c + r * p.ldc, p.ldc, p.k, 0xFFFF, &lines);
     a += r * p.k;
     c += r * p.ldc;
     switch (count - r) {
-      case 5: tile<5, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
-      case 4: tile<4, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
-      case 3: tile<3, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
-      case 2: tile<2, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
-      case 1: tile<1, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF); break;
+      case 5: tile<5, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF, &lines); break;
+      case 4: tile<4, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF, &lines); break;
+      case 3: tile<3, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF, &lines); break;
+      case 2: tile<2, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF, &lines); break;
+      case 1: tile<1, 4, false, ACCUMULATE, STREAM, true>(a, p.k, panel, 64, c, p.ldc, p.k, 0xFFFF, &lines); break;
       default: break;
     }
   }
+}
+
+template <bool ACCUMULATE, bool STREAM>
+bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
+  const int64_t chunk = std::max<int64_t>(6, kAtFloats / p.k / 6 * 6);
+  const int64_t at_floats = (std::min(last - first, chunk) * p.k + 15) / 16 * 16;  // (the panel 64-byte aligned)
+  float* at = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>(at_floats + p.k * 64) * sizeof(float)));
+  if (at == nullptr) return false;
+  float* const panel_at = at + at_floats;
+  for (int64_t r0 = first; r0 < last; r0 += chunk)
+    panels_chunk<ACCUMULATE, STREAM>(p, r0, std::min(last, r0 + chunk), at, panel_at, r0 + chunk < last);
+  const int64_t whole = p.n / 64 * 64;
   if (whole < p.n) {
     WeightGrad rest = p;
     rest.b += whole, rest.c += whole, rest.n -= whole;
@@ -741,7 +783,7 @@ void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src,
 }
 
 void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
-  if (p.k >= kPanelLeast && p.k <= kMatmulDepth && p.n >= 128) {
+  if (p.k >= kPanelLeast && p.k <= kPanelMost && p.n >= 128) {
     if (p.accumulate ? panels_range<true, false>(p, first, last)
         : p.stream   ? panels_range<false, true>(p, first, last)
                      : panels_range<false, false>(p, first, last))

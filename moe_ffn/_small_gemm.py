@@ -1292,7 +1292,16 @@ def avx512_weight_grad_into(
 # past them): on the blocked product as yᵀ = w·xᵀ the forward lost (fine-grained T=2048 173.9
 # → 272.1 ms), and the dot products to 128 rows were level (Mixtral T=256 51.8 / 54.8). Where
 # sgemm runs its AVX-512 code (Intel's CPUs; the Xeon's numbers above) the choices there stand.
-SGEMM_AVX2_WEIGHT_GRAD_ROWS = (1, 128)  # avx512_weight_grad_into; more rows on avx512_matmul_into
+# Weight gradients of 129–2048 rows there too on `avx512_weight_grad_into` (its panels deeper
+# than L1, each element's whole sum in a register tile, stored once; _avx512.cpp, panels_range),
+# where the blocked product added a pass's sums to c every 128 rows. Zen 4 EPYC (2026-12-07),
+# layer fp32 forward+backward, 128 → 2048 rows, alternated in one process (pair ratios'
+# medians, 3–5 rounds): fine-grained T = 2048 (blocks of ~256 rows) 0.960× (0.978× with
+# `at` in 1 MiB chunks), T = 1024 0.973×, T = 8192 0.989×; Mixtral T = 512 0.971×, T = 2048
+# 0.984×; the dense blocks (2048 rows) 0.996× / 0.958× (F = 4096 / 7168). Past 2048 rows the
+# panels (k·256 bytes) live in L3 and ran behind (per product, 8192 rows: 168–184 against
+# 190–203 GFLOP/s).
+SGEMM_AVX2_WEIGHT_GRAD_ROWS = (1, 2048)  # avx512_weight_grad_into; more rows on avx512_matmul_into
 
 
 def sgemm_at_avx2_width() -> bool:

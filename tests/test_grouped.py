@@ -799,14 +799,18 @@ def test_grouped_mm_path_is_taken_only_for_aligned_operands(monkeypatch):
     assert len(calls) == 1
 
 
-def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(monkeypatch):
+@pytest.mark.parametrize("outer_rows", [128, None])
+def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(monkeypatch, outer_rows):
     """Where MKL's sgemm runs at AVX2 width on an AVX-512 CPU (_small_gemm.sgemm_at_avx2_width,
     forced here), every float32 input gradient g·W runs on the blocked product, and so do the
-    weight gradients of blocks past SGEMM_AVX2_WEIGHT_GRAD_ROWS (the 130-row block's, not the
-    others'); the float64 loop's outputs and gradients come out."""
+    weight gradients of blocks past SGEMM_AVX2_WEIGHT_GRAD_ROWS (with 128 there, the 130-row
+    block's, not the others'; with its own 8192, none: the deep panels of the weight-gradient
+    kernel take them); the float64 loop's outputs and gradients come out."""
     if grouped._small_gemm._avx512_entry_points() is None or grouped._small_gemm._matmul_entry_point() is None:
         pytest.skip("no AVX-512 kernels here (CPU without AVX-512, or the library not built)")
     monkeypatch.setattr(grouped._small_gemm, "sgemm_at_avx2_width", lambda: True)
+    if outer_rows is not None:
+        monkeypatch.setattr(grouped._small_gemm, "SGEMM_AVX2_WEIGHT_GRAD_ROWS", (1, outer_rows))
     calls = []
     real = grouped._small_gemm.avx512_matmul_into
 
@@ -822,7 +826,7 @@ def test_gradients_on_the_avx512_blocked_product_where_sgemm_runs_at_avx2_width(
     inputs = sorted(rows for kind, rows, _ in calls if kind == "input")
     weights = sorted(rows for kind, rows, _ in calls if kind == "weight")
     assert inputs == [1, 1, 12, 12, 130, 130]  # through W2, then W1, per block
-    assert weights == [130, 130]
+    assert weights == ([130, 130] if outer_rows == 128 else [])
 
 
 @pytest.mark.parametrize("bias", [False, True])

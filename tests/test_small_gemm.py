@@ -927,13 +927,15 @@ def _needs_avx512_kernel():
         pytest.skip("no AVX-512 weight-gradient kernel here (CPU without AVX-512, or the library not built)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 96, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 64, 96, 128, 129, 300, 1500])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (6, 64), (13, 100), (97, 300), (1024, 512)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
     """aᵀ·b over `rows` rows into a slice of a wider tensor (margins untouched), or added to
     what it holds; (1024, 512) not accumulating: stored with streaming stores (a slice with a
-    row stride of 16 floats' multiple), and again into a tensor of its own (aligned)."""
+    row stride of 16 floats' multiple), and again into a tensor of its own (aligned). Past 128
+    rows (the limits AMD's CPUs run it to, SGEMM_AVX2_WEIGHT_GRAD_ROWS): panels deeper than
+    L1 holds, and at 1500 rows c's rows in chunks of 174 (`at` kept to 2^18 floats)."""
     _needs_avx512_kernel()
     m, n = shape
     a, b = _strided(rows, m), _strided(rows, n)
@@ -942,14 +944,16 @@ def test_avx512_weight_grad_matches_float64(rows, shape, accumulate):
     init = torch.randn(m, n) if accumulate else None
     if accumulate:
         out.copy_(init)
-    assert _small_gemm.avx512_weight_grad_into(out, a.t(), b, accumulate=accumulate)
+    assert _small_gemm.avx512_weight_grad_into(
+        out, a.t(), b, accumulate=accumulate, limits=_small_gemm.SGEMM_AVX2_WEIGHT_GRAD_ROWS
+    )
     exact = a.double().t() @ b.double() + (0 if init is None else init.double())
     bound = _bound(a.double().abs().t(), b.double().abs(), rows + 1) + (0 if init is None else (rows + 3) * U * init.double().abs())
     assert ((out.double() - exact).abs() <= bound).all()
     assert wide[:, :4].isnan().all() and wide[:, n + 4 :].isnan().all()
     if not accumulate:
         own = torch.empty(m, n)
-        assert _small_gemm.avx512_weight_grad_into(own, a.t(), b)
+        assert _small_gemm.avx512_weight_grad_into(own, a.t(), b, limits=_small_gemm.SGEMM_AVX2_WEIGHT_GRAD_ROWS)
         assert torch.equal(own, out)
 
 
@@ -3074,16 +3078,21 @@ def test_float32_backward_blocks_on_intel_take_small_groups_only(monkeypatch):
     assert fresh.isnan().all() and fresh_grads.isnan().all()
 
 
+@pytest.mark.parametrize("outer_rows", [128, None])
 @pytest.mark.parametrize("streamed", [False, True])
-def test_float32_backward_blocks_in_one_call_are_the_per_block_products(monkeypatch, streamed):
+def test_float32_backward_blocks_in_one_call_are_the_per_block_products(monkeypatch, streamed, outer_rows):
     """The float32 blocks entry points of the backward (AMD's AVX-512 CPUs; here on any AVX-512
     CPU): input gradients g·w_e and weight gradients aᵀ·b of blocks of 1 to 300 rows, some
     adding to their expert's earlier piece, each bit for bit what the single-block kernel the
-    layer would call gives (`avx512_matmul_into`, `avx512_weight_grad_into` to 128 rows), and
-    within float32's bound of the float64 products; an accumulating block past 128 rows is left
-    to the caller, untouched."""
+    layer would call gives (`avx512_matmul_into`, `avx512_weight_grad_into` to
+    SGEMM_AVX2_WEIGHT_GRAD_ROWS), and within float32's bound of the float64 products. With
+    those rows at 128, an accumulating block past them is left to the caller, untouched; at
+    their own 8192, the weight-gradient kernel takes every block, adding ones too."""
     _needs_avx512_kernel()
     monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    if outer_rows is not None:
+        monkeypatch.setattr(_small_gemm, "SGEMM_AVX2_WEIGHT_GRAD_ROWS", (1, outer_rows))
+    outer = _small_gemm.SGEMM_AVX2_WEIGHT_GRAD_ROWS[1]
     torch.manual_seed(21 + streamed)
     E, O, I = 4, 72, 160
     m, n = (512, 1024) if streamed else (40, 136)  # (2^19 elements: streaming stores)
@@ -3106,17 +3115,17 @@ def test_float32_backward_blocks_in_one_call_are_the_per_block_products(monkeypa
     grads = torch.randn(E, m, n)  # old contents, written over where a block does not add
     before = grads.clone()
     done = _small_gemm.float32_weight_grad_blocks(grads, a, b, spans, again)
-    assert done == [True, True, True, True, True, False]
+    assert done == [True, True, True, True, True, outer > 128]
     want = before.clone()
     for (e, start, stop), add, d in zip(spans, again, done):
         if not d:
             continue
         a_t = a[start:stop].t()
-        if stop - start <= 128:
-            assert _small_gemm.avx512_weight_grad_into(want[e], a_t, b[start:stop], accumulate=add, limits=(1, 128))
+        if stop - start <= outer:
+            assert _small_gemm.avx512_weight_grad_into(want[e], a_t, b[start:stop], accumulate=add, limits=(1, outer))
         else:
             assert not add and _small_gemm.avx512_matmul_into(want[e], a_t, b[start:stop])
-    assert torch.equal(grads, want)  # (expert 2: its first piece only; the caller adds the second)
+    assert torch.equal(grads, want)  # (with 128 rows: expert 2 its first piece only; the caller adds the second)
     for e in range(E):
         pieces = [(start, stop) for (x, start, stop), d in zip(spans, done) if x == e and d]
         ref = sum(a[s:t].double().t() @ b[s:t].double() for s, t in pieces)
