@@ -673,6 +673,26 @@ void whole_sums(const P& p, int64_t first, int64_t last_column) {
 constexpr int64_t kPanelLeast = 16;
 constexpr int64_t kPanelMost = 2048;
 constexpr int64_t kAtFloats = 1 << 20;
+// c's rows [first, last), columns from q0, of aᵀ·b with b's row s at p.b_index[s]: each
+// element's sum over s in order by FMAs from zero (and added to c's old value where
+// accumulating), as `tile` forms it, so the same bits as the panels or rows_range on gathered
+// rows; for what those do not take with an index (few rows, narrow c, the columns past the
+// last panel, or no scratch), a vector of 16 columns at a time.
+template <bool ACCUMULATE>
+void rows_by_index(const WeightGrad& p, int64_t first, int64_t last, int64_t q0) {
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t q = q0; q < p.n; q += 16) {
+      const __mmask16 lanes = static_cast<__mmask16>(p.n - q >= 16 ? 0xFFFF : (1u << (p.n - q)) - 1);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t s = 0; s < p.k; ++s)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(p.a[s * p.lda + r]),
+                              _mm512_maskz_loadu_ps(lanes, p.b + p.b_index[s] * p.ldb + q), acc);
+      float* at = p.c + r * p.ldc + q;
+      if (ACCUMULATE) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(lanes, at));
+      _mm512_mask_storeu_ps(at, lanes, acc);
+    }
+}
+
 // c's rows [r0, r1) over b's whole panels of 64 columns (see panels_range), `at` and the
 // panel in the caller's scratch. While the row tiles run over a panel, they prefetch the next
 // one into L2, a line a step: the next panel's rows lie a row of b apart (4–28 KiB, each on
@@ -716,12 +736,13 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
   for (int64_t r0 = first; r0 < last; r0 += chunk)
     panels_chunk<ACCUMULATE, STREAM>(p, r0, std::min(last, r0 + chunk), at, panel_at, r0 + chunk < last);
   const int64_t whole = p.n / 64 * 64;
-  if (whole < p.n) {
+  if (STREAM) _mm_sfence();
+  if (whole < p.n && p.b_index != nullptr) {
+    rows_by_index<ACCUMULATE>(p, first, last, whole);
+  } else if (whole < p.n) {
     WeightGrad rest = p;
     rest.b += whole, rest.c += whole, rest.n -= whole;
-    rows_range<ACCUMULATE, STREAM>(rest, first, last);  // (fences its streaming stores)
-  } else if (STREAM) {
-    _mm_sfence();
+    rows_range<ACCUMULATE, STREAM>(rest, first, last);
   }
   return true;
 }
@@ -788,6 +809,11 @@ void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
         : p.stream   ? panels_range<false, true>(p, first, last)
                      : panels_range<false, false>(p, first, last))
       return;
+  }
+  if (p.b_index != nullptr) {  // (rows_range reads b's rows in place)
+    if (p.accumulate) rows_by_index<true>(p, first, last, 0);
+    else rows_by_index<false>(p, first, last, 0);
+    return;
   }
   if (p.accumulate) rows_range<true, false>(p, first, last);
   else if (p.stream) rows_range<false, true>(p, first, last);
@@ -990,17 +1016,20 @@ extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, con
 // `outer_rows` rows as moe_ffn_avx512_weight_grad_f32 (its streaming stores with `stream`, for
 // blocks that do not accumulate), larger ones as moe_ffn_avx512_matmul_f32 with
 // a_steps_are_rows (those may not accumulate, and n must give each thread 64 columns: else -1).
-extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                                                     int64_t experts, int64_t c_expert, int64_t ldc,
-                                                     const int64_t* blocks, int64_t count, int64_t m, int64_t n,
-                                                     int64_t outer_rows, int stream, int threads, void* parallel,
-                                                     void* thread_num, void* num_threads) {
+namespace {
+
+// (b_index: where given, b's row r of a block is b's row b_index[start + r], and every block
+// takes the weight-gradient kernel: none past outer_rows, else -1)
+int weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, const int64_t* b_index, float* c,
+                           int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
+                           int64_t m, int64_t n, int64_t outer_rows, int stream, int threads, void* parallel,
+                           void* thread_num, void* num_threads) {
   if (!ready() || m < 0 || n < 0 || threads < 1 || count < 0 || !float32_blocks_fit(blocks, count, experts, true))
     return -1;
   int64_t team_size = std::max<int64_t>(1, m / 24);  // (the outer-product kernel's team)
   for (int64_t i = 0; i < count; ++i) {
     if (blocks[4 * i + 2] - blocks[4 * i + 1] <= outer_rows) continue;
-    if (blocks[4 * i + 3] || n < 64 * threads) return -1;
+    if (blocks[4 * i + 3] || n < 64 * threads || b_index != nullptr) return -1;
     team_size = std::max<int64_t>(team_size, n / 64);
   }
   team_size = std::min<int64_t>(threads, team_size);
@@ -1014,8 +1043,8 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda
         const int64_t own = std::min<int64_t>(parts, std::max<int64_t>(1, m / 24));
         if (t >= own) continue;
         share(m, 6, t, own, &first, &last);
-        const WeightGrad p{a + start * lda, lda, b + start * ldb, ldb, c_e, ldc, rows, m, n, accumulate,
-                           stream != 0 && !accumulate};
+        const WeightGrad p{a + start * lda, lda,         b_index ? b : b + start * ldb, ldb, c_e, ldc, rows, m, n,
+                           accumulate,      stream != 0 && !accumulate, b_index ? b_index + start : nullptr};
         run_rows(p, first, last);
       } else {  // as moe_ffn_avx512_matmul_f32, a_steps_are_rows
         const int64_t own = std::min<int64_t>(parts, n / 64);
@@ -1027,6 +1056,17 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda
     }
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                                                     int64_t experts, int64_t c_expert, int64_t ldc,
+                                                     const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                                                     int64_t outer_rows, int stream, int threads, void* parallel,
+                                                     void* thread_num, void* num_threads) {
+  return weight_grad_blocks_f32(a, lda, b, ldb, nullptr, c, experts, c_expert, ldc, blocks, count, m, n, outer_rows,
+                                stream, threads, parallel, thread_num, num_threads);
 }
 
 // ---- bf16: a decode step's blocks (grouped.py's bf16 layers where the CPU has bf16 units) ----
@@ -2401,6 +2441,21 @@ extern "C" int moe_ffn_avx512_weight_grad_rows_bf16_packed(const bf16_t* a, int6
                                               stream != 0,     b_index + start};
                        return first >= last || n == 0 || wgrad_range(p, first, last);
                      });
+}
+
+// The float32 weight gradients above (moe_ffn_avx512_weight_grad_blocks_f32) with b's row r of
+// each block read as b's row b_index[r] (b [tokens, n], the tokens' rows), gathered as the
+// panels are packed (the same sums, bit for bit), where a gather beforehand wrote a [rows, n]
+// copy for them to read back. -1 (nothing written) where an index of a block's rows lies
+// outside [0, tokens) or a block has more than outer_rows rows.
+extern "C" int moe_ffn_avx512_weight_grad_rows_f32(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                   int64_t tokens, const int64_t* b_index, float* c, int64_t experts,
+                                                   int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
+                                                   int64_t m, int64_t n, int64_t outer_rows, int stream, int threads,
+                                                   void* parallel, void* thread_num, void* num_threads) {
+  if (b_index == nullptr || count < 0 || !rows_within(blocks, count, b_index, tokens)) return -1;
+  return weight_grad_blocks_f32(a, lda, b, ldb, b_index, c, experts, c_expert, ldc, blocks, count, m, n, outer_rows,
+                                stream, threads, parallel, thread_num, num_threads);
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the

@@ -519,13 +519,16 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     return y
 
 
-def _rows_call(name: str, entry, blocks, index: Tensor, rows: int, tokens: int, experts: int, shapes: str, before, after):
-    """entry(*before, the block table, its length, *after) once the blocks fit `experts`. The
-    entry point checks the `rows` rows' indices against the `tokens` rows before it writes
-    anything (one pass, in C); where it declines, a ValueError names the indices' range if they
-    were the cause."""
+def _rows_call(
+    name: str, entry, blocks, index: Tensor, rows: int, tokens: int, experts: int, shapes: str, before, after,
+    accumulate=None,
+):
+    """entry(*before, the block table (with the blocks' `accumulate` flags), its length, *after)
+    once the blocks fit `experts`. The entry point checks the `rows` rows' indices against the
+    `tokens` rows before it writes anything (one pass, in C); where it declines, a ValueError
+    names the indices' range if they were the cause."""
     _check_blocks(name, blocks, rows, experts, shapes)
-    table, address, count = _block_table(blocks)
+    table, address, count = _block_table(blocks, accumulate)
     if entry(*before, address, count, *after) != 0:
         low, high = (int(v) for v in index[:rows].aminmax())
         if low < 0 or high >= tokens:
@@ -1520,14 +1523,20 @@ def _streamed_gradients(out_EMN: Tensor) -> bool:
 
 
 def float32_weight_grad_blocks(
-    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool]
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool],
+    b_index: Optional[Tensor] = None,
 ) -> list[bool]:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] (added to where the block's `accumulate` is
     set) for the blocks the single-block kernels would take (see above: blocks past
     SGEMM_AVX2_WEIGHT_GRAD_ROWS rows only where not accumulating and n ≥ 64 a thread; on
     Intel's CPUs small groups only, `INTEL_FLOAT32_BLOCKS`), in one
     call: which blocks it computed (none: `out_EMN` untouched). float32 a [rows, m], b [rows, n]
-    and out_EMN [E, m, n] (contiguous rows)."""
+    and out_EMN [E, m, n] (contiguous rows).
+
+    b_index (int64 [rows]): row n of the blocks' b is b[b_index[n]] (b the tokens' rows),
+    gathered as the kernel packs it (the same bits); all blocks or none (none where a block has
+    more than SGEMM_AVX2_WEIGHT_GRAD_ROWS rows: the caller gathers). ValueError where an index
+    of the blocks' rows lies outside b."""
     none = [False] * len(blocks)
     here = out_EMN.dim() == 3 and _float32_blocks_here(blocks, out_EMN.shape[1] * out_EMN.shape[2])
     points = _float32_blocks_entry_points() if here else None
@@ -1540,6 +1549,8 @@ def float32_weight_grad_blocks(
         return none
     E, M, N = out_EMN.shape
     outer_rows = SGEMM_AVX2_WEIGHT_GRAD_ROWS[1]
+    if b_index is not None:
+        return _float32_weight_grad_rows(out_EMN, a, b, blocks, accumulate, b_index, outer_rows, kernel[1])
     wide = N >= 64 * torch.get_num_threads()
     done = [stop - start <= outer_rows or (wide and not add) for (_, start, stop), add in zip(blocks, accumulate)]
     chosen = [(block, add) for block, add, d in zip(blocks, accumulate, done) if d]
@@ -1553,6 +1564,58 @@ def float32_weight_grad_blocks(
         torch.get_num_threads(), *kernel[1],
     )
     return done
+
+
+# The float32 weight gradients reading b's rows from the tokens' rows by index
+# (moe_ffn_avx512_weight_grad_rows_f32): grouped.py's backward had gathered x's rows into a
+# [rows, D] copy for them (`_rows`), 1.1–1.5 ms a group of ~4000 rows of 1024 on the Zen 4
+# EPYC; the panels now gather them as they are packed, the same bits.
+def _float32_weight_grad_rows(
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, accumulate: list[bool], b_index: Tensor, outer_rows: int,
+    openmp: tuple,
+) -> list[bool]:
+    none = [False] * len(blocks)
+    if not (
+        b.dim() == 2 and b.stride(1) == 1 and b_index.dtype == torch.int64 and b_index.dim() == 1
+        and b_index.is_contiguous() and b_index.device == b.device
+        and all(stop - start <= outer_rows for _, start, stop in blocks)
+    ):
+        return none
+    entry = _float32_weight_grad_rows_entry_point()
+    if entry is None or not blocks:
+        return none
+    E, M, N = out_EMN.shape
+    rows = max(stop for _, _, stop in blocks)
+    if (
+        a.dim() != 2 or a.shape[1] != M or b.shape[1] != N or a.shape[0] < rows or b_index.shape[0] < rows
+        or len(accumulate) != len(blocks) or min(blk[1] for blk in blocks) < 0
+    ):
+        raise ValueError(
+            f"float32_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by index "
+            f"{tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit"
+        )
+    _rows_call(
+        "float32_weight_grad_blocks", entry, blocks, b_index, rows, b.shape[0], E,
+        f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}",
+        (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,
+         out_EMN.stride(0), out_EMN.stride(1)),
+        (M, N, outer_rows, int(_streamed_gradients(out_EMN)), torch.get_num_threads(), *openmp),
+        accumulate=accumulate,
+    )
+    return [True] * len(blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_weight_grad_rows_entry_point():  # (a, lda, b, ldb, tokens, b_index, c, its strides, blocks, sizes, outer, stream, team)
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_ready", "moe_ffn_avx512_weight_grad_rows_f32")
+    if points is None:
+        return None
+    (entry,) = points
+    entry.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _INT,
+                      _INT, _PTR, _PTR, _PTR]
+    return entry
 
 
 # bf16 decode blocks where the CPU multiplies bf16 natively but has no AMX (AVX512-BF16: the

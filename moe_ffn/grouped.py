@@ -1564,6 +1564,10 @@ def _ffn_backward(
                 _small_gemm.bf16_weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_index=token_N[first:last])
             ):  # AVX512-BF16 CPUs without AMX: the packed kernel gathers them likewise (all blocks or none)
                 w_done = [True] * len(group)
+        if need_w and not with_bias and routed and x.dtype == cdt == torch.float32 and not any(w_done) and not (
+            need_x and _small_gemm.one_pass_here(w1_EHD, within)
+        ):  # (AMD's AVX-512 CPUs: the float32 kernel gathers them as it packs its panels; all blocks or none)
+            w_done = _small_gemm.float32_weight_grad_blocks(grad_w1, dh_gH, x, within, again, b_index=token_N[first:last])
         both = none  # blocks whose two gradients through w1 one call wrote
         if need_w and not all(w_done):
             x_gD = _rows(x, token_N, first, last).to(cdt)

@@ -1601,6 +1601,52 @@ def test_bf16_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     assert bool((fresh == 7).all())
 
 
+@pytest.mark.parametrize("shape", [(96, 1024), (1024, 512), (40, 200), (30, 33)])
+def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
+    """float32 weight gradients with `b_index` (AMD's AVX-512 CPUs, forced here): the blocks' b
+    rows are b[b_index[n]], gathered as the panels are packed. Blocks of 3 (under the panels'
+    16 steps), 16, 129 and 300 rows, one adding to its expert's first piece, tokens repeated and
+    out of order; n = 200 has columns past the last panel of 64, n = 33 no whole panel: bit for
+    bit what the gathered rows give, within float32's bound of float64's sums, experts without
+    a block untouched. Declined (all False, nothing written) where a block has more than
+    SGEMM_AVX2_WEIGHT_GRAD_ROWS rows; an index outside b's rows is a ValueError, nothing
+    written."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    M, N = shape
+    T = 50
+    blocks, start = [], 0
+    for e, n in [(1, 3), (0, 16), (3, 129), (1, 300)]:
+        blocks.append((e, start, start + n))
+        start += n
+    again = [False, False, False, True]
+    torch.manual_seed(19)
+    a, b = torch.randn(start, M), torch.randn(T, N)
+    index = torch.randint(0, T, (start,))
+    out = torch.full((5, M, N), float("nan"))
+    out[1] = 0.0  # (expert 1's second block adds to its first)
+    gathered = out.clone()
+    assert _small_gemm.float32_weight_grad_blocks(out, a, b, blocks, again, b_index=index) == [True] * 4
+    assert _small_gemm.float32_weight_grad_blocks(gathered, a, b[index].contiguous(), blocks, again) == [True] * 4
+    assert torch.equal(out[[0, 1, 3]], gathered[[0, 1, 3]])
+    for e in (0, 1, 3):
+        pieces = [(first, stop) for x, first, stop in blocks if x == e]
+        exact = sum(a[f:t].double().t() @ b[index[f:t]].double() for f, t in pieces)
+        bound = sum(_bound(a[f:t].double().abs().t(), b[index[f:t]].double().abs(), t - f) for f, t in pieces)
+        assert ((out[e].double() - exact).abs() <= 2 * bound).all(), e
+    assert out[2].isnan().all() and out[4].isnan().all()
+    fresh = torch.full_like(out, 7.0)
+    monkeypatch.setattr(_small_gemm, "SGEMM_AVX2_WEIGHT_GRAD_ROWS", (1, 128))
+    assert _small_gemm.float32_weight_grad_blocks(fresh, a, b, blocks, again, b_index=index) == [False] * 4
+    monkeypatch.undo()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    bad = index.clone()
+    bad[5] = T
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
+        _small_gemm.float32_weight_grad_blocks(fresh, a, b, blocks[:2], [False, False], b_index=bad)
+    assert bool((fresh == 7).all())
+
+
 @pytest.mark.parametrize("amd, family", [(True, 25), (True, 26), (False, 6)])
 def test_bf16_weight_grad_row_range_by_cpu(monkeypatch, amd, family):
     """On Zen 4 (AMD's family 25, forced here) the bf16 weight-gradient kernel takes blocks of up
@@ -2985,8 +3031,8 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
 
     weight_grad_blocks = _small_gemm.float32_weight_grad_blocks
 
-    def counted_weight_grad_blocks(*args):
-        done = weight_grad_blocks(*args)
+    def counted_weight_grad_blocks(*args, **kwargs):
+        done = weight_grad_blocks(*args, **kwargs)
         ran["weight_grad"] += sum(done)
         return done
 
@@ -3198,8 +3244,8 @@ def test_layer_overwrites_kept_gradient_memory_on_the_kernel_and_matches_float64
         name = "avx512_weight_grad_into"
         blocks_f32 = _small_gemm.float32_weight_grad_blocks  # (AMD's: a group's blocks in one call)
 
-        def counted_blocks(*args):
-            done = blocks_f32(*args)
+        def counted_blocks(*args, **kwargs):
+            done = blocks_f32(*args, **kwargs)
             ran.extend(d for d in done if d)
             return done
         monkeypatch.setattr(_small_gemm, "float32_weight_grad_blocks", counted_blocks)
