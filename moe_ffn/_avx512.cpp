@@ -475,8 +475,9 @@ struct LinearOf {
   T* y;  // [rows, O], rows ldy apart
   int64_t ldy;
   int64_t rows, in_features;
-  // Where given (the bf16 forward only), row r of the block is x's row index[r] (x then the
-  // tokens' rows, not the block's): the kernel gathers the rows as it packs them.
+  // Where given, row r of the block is x's row index[r] (x then the tokens' rows, not the
+  // block's): the bf16 kernel gathers the rows as it packs them, the float32 tiles read them
+  // where they lie.
   const int64_t* index = nullptr;
 };
 // The float32 forward takes I's elements `chunk` at a time: each tile's sums over a chunk
@@ -510,9 +511,12 @@ inline __m512 sums16(const __m512 (&v)[16]) {
 // ROWS rows of x against COLS rows of w over I's elements [k0, k0 + depth); the last depth % 16
 // through masked loads (MASKED); into y, or added to it (ADD: a later chunk). With next_rows,
 // each step prefetches those rows of `next` at the same step into L2.
+// (x: row i at x + i·ldx, or with `index` at x + index[i]·ldx)
 template <int ROWS, int COLS, bool MASKED>
-void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t depth,
-                 bool add, const float* next = nullptr, int next_rows = 0) {
+void linear_tile(const float* x, int64_t ldx, const int64_t* index, const float* w, int64_t ldw, float* y, int64_t ldy,
+                 int64_t depth, bool add, const float* next = nullptr, int next_rows = 0) {
+  const float* x_i[ROWS];
+  MOE_UNROLL for (int i = 0; i < ROWS; ++i) x_i[i] = x + (index ? index[i] : i) * ldx;
   __m512 acc[ROWS][COLS];
   MOE_UNROLL for (int i = 0; i < ROWS; ++i)
     MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -522,7 +526,7 @@ void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
     MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_loadu_ps(w + j * ldw + k);
     for (int j = 0; j < next_rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T1);
     MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
-      const __m512 x_k = _mm512_loadu_ps(x + i * ldx + k);
+      const __m512 x_k = _mm512_loadu_ps(x_i[i] + k);
       MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
     }
   }
@@ -531,7 +535,7 @@ void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
     __m512 w_k[COLS];
     MOE_UNROLL for (int j = 0; j < COLS; ++j) w_k[j] = _mm512_maskz_loadu_ps(lanes, w + j * ldw + whole);
     MOE_UNROLL for (int i = 0; i < ROWS; ++i) {
-      const __m512 x_k = _mm512_maskz_loadu_ps(lanes, x + i * ldx + whole);
+      const __m512 x_k = _mm512_maskz_loadu_ps(lanes, x_i[i] + whole);
       MOE_UNROLL for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(x_k, w_k[j], acc[i][j]);
     }
   }
@@ -573,15 +577,16 @@ void linear_strip(const Linear& p, int64_t o, int64_t k0, int64_t depth, const f
   for (; r + 4 <= p.rows; r += 4, first_tile = 0) {
     for (const int64_t end = std::min(lines, line + share); line < end; ++line)
       _mm_prefetch(reinterpret_cast<const char*>(next + (line / row_lines) * p.ldw + (line % row_lines) * 16), _MM_HINT_T1);
-    linear_tile<4, COLS, MASKED>(p.x + r * p.ldx + k0, p.ldx, w, p.ldw, p.y + r * p.ldy + o, p.ldy, depth, add, next,
-                                 first_tile);
+    linear_tile<4, COLS, MASKED>(p.index ? p.x + k0 : p.x + r * p.ldx + k0, p.ldx, p.index ? p.index + r : nullptr, w,
+                                 p.ldw, p.y + r * p.ldy + o, p.ldy, depth, add, next, first_tile);
   }
-  const float* x = p.x + r * p.ldx + k0;
+  const float* x = p.index ? p.x + k0 : p.x + r * p.ldx + k0;
+  const int64_t* index = p.index ? p.index + r : nullptr;
   float* y = p.y + r * p.ldy + o;
   switch (p.rows - r) {
-    case 3: linear_tile<3, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
-    case 2: linear_tile<2, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
-    case 1: linear_tile<1, COLS, MASKED>(x, p.ldx, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
+    case 3: linear_tile<3, COLS, MASKED>(x, p.ldx, index, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
+    case 2: linear_tile<2, COLS, MASKED>(x, p.ldx, index, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
+    case 1: linear_tile<1, COLS, MASKED>(x, p.ldx, index, w, p.ldw, y, p.ldy, depth, add, next, first_tile); break;
     default: break;
   }
 }
@@ -924,10 +929,11 @@ extern "C" int moe_ffn_avx512_linear_f32(const float* x, int64_t ldx, const floa
 // that moe_ffn_routed_swiglu_blocks_f32 calls its projections by.
 namespace {
 
-template <int64_t CHUNK>
-int linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t experts, int64_t w_expert, int64_t ldw,
-                      float* y, int64_t ldy, const int64_t* blocks, int64_t count, int64_t out_features,
-                      int64_t in_features, int threads, void* parallel, void* thread_num, void* num_threads) {
+// (index: see LinearOf; else x's rows are the blocks' rows)
+int linear_blocks_f32(const float* x, int64_t ldx, const int64_t* index, const float* w, int64_t experts,
+                      int64_t w_expert, int64_t ldw, float* y, int64_t ldy, const int64_t* blocks, int64_t count,
+                      int64_t out_features, int64_t in_features, int64_t chunk, int threads, void* parallel,
+                      void* thread_num, void* num_threads) {
   if (!ready() || count < 0 || out_features < 0 || in_features < 1 || threads < 1) return -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* b = blocks + 4 * i;
@@ -939,8 +945,9 @@ int linear_blocks_f32(const float* x, int64_t ldx, const float* w, int64_t exper
     share(out_features, 6, t, parts, &first, &last);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const Linear p{{x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start, in_features},
-                     CHUNK};
+      const Linear p{{index ? x : x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy, ldy, stop - start,
+                      in_features, index ? index + start : nullptr},
+                     chunk};
       linear_range(p, first, last);
     }
   });
@@ -954,8 +961,8 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32(const float* x, int64_t ldx, con
                                                 const int64_t* blocks, int64_t count, int64_t out_features,
                                                 int64_t in_features, int threads, void* parallel, void* thread_num,
                                                 void* num_threads) {
-  return linear_blocks_f32<512>(x, ldx, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
-                                threads, parallel, thread_num, num_threads);
+  return linear_blocks_f32(x, ldx, nullptr, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                           512, threads, parallel, thread_num, num_threads);
 }
 
 extern "C" int moe_ffn_avx512_linear_blocks_f32_deep(const float* x, int64_t ldx, const float* w, int64_t experts,
@@ -963,8 +970,8 @@ extern "C" int moe_ffn_avx512_linear_blocks_f32_deep(const float* x, int64_t ldx
                                                      const int64_t* blocks, int64_t count, int64_t out_features,
                                                      int64_t in_features, int threads, void* parallel,
                                                      void* thread_num, void* num_threads) {
-  return linear_blocks_f32<4096>(x, ldx, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
-                                 threads, parallel, thread_num, num_threads);
+  return linear_blocks_f32(x, ldx, nullptr, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                           4096, threads, parallel, thread_num, num_threads);
 }
 
 // The float32 backward's products of a group's blocks in one parallel region each, every block
@@ -2456,6 +2463,20 @@ extern "C" int moe_ffn_avx512_weight_grad_rows_f32(const float* a, int64_t lda, 
   if (b_index == nullptr || count < 0 || !rows_within(blocks, count, b_index, tokens)) return -1;
   return weight_grad_blocks_f32(a, lda, b, ldb, b_index, c, experts, c_expert, ldc, blocks, count, m, n, outer_rows,
                                 stream, threads, parallel, thread_num, num_threads);
+}
+
+// The float32 forward's blocks (moe_ffn_avx512_linear_blocks_f32 / _deep, chunks of `chunk`)
+// with row r of the blocks read as x's row index[r] (x [tokens, I], the tokens' rows), where a
+// gather beforehand wrote a [rows, I] copy for the tiles to read: the same sums, bit for bit.
+// -1 (nothing written) where an index of a block's rows lies outside [0, tokens).
+extern "C" int moe_ffn_avx512_linear_rows_f32(const float* x, int64_t ldx, int64_t tokens, const int64_t* index,
+                                              const float* w, int64_t experts, int64_t w_expert, int64_t ldw, float* y,
+                                              int64_t ldy, const int64_t* blocks, int64_t count, int64_t out_features,
+                                              int64_t in_features, int64_t chunk, int threads, void* parallel,
+                                              void* thread_num, void* num_threads) {
+  if (index == nullptr || count < 0 || chunk < 1 || !rows_within(blocks, count, index, tokens)) return -1;
+  return linear_blocks_f32(x, ldx, index, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features, in_features,
+                           chunk, threads, parallel, thread_num, num_threads);
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] for float32 a [rows, m] (widened by the

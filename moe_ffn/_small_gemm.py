@@ -453,8 +453,11 @@ def linear_blocks(
     sums are the ones `linear_into` forms for it, or on AVX-512 CPUs `avx512_linear_into`.
 
     index (int64 [rows]): row n of the blocks is x[index[n]] (x the tokens' rows), read by the
-    kernel as it packs them; only the AVX512-BF16 forward takes it (else None: the caller
-    gathers). ValueError where an index of the blocks' rows lies outside x."""
+    kernel as it packs them (bf16) or where they lie (float32); only the AVX512-BF16 forward and
+    the AVX-512 float32 one take it (else None: the caller gathers). ValueError where an index
+    of the blocks' rows lies outside x."""
+    if index is not None and x.dtype == torch.float32:
+        return _float32_linear_rows(x, w_EOI, blocks, out, index)
     if index is not None:
         return _linear_rows(x, w_EOI, blocks, out, index)
     bf16 = x.dtype == torch.bfloat16
@@ -517,6 +520,64 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
         (O, I, torch.get_num_threads(), *found[1]),
     )
     return y
+
+
+# The float32 forward reading its blocks' rows from the tokens' rows by index
+# (moe_ffn_avx512_linear_rows_f32: the register tiles' rows each at its own address), where
+# grouped.py had gathered them into a [rows, D] copy first (`_rows`, 1.1–1.6 ms a group of
+# ~4000 rows of 1024 on the Zen 4 EPYC): the same bits. Only blocks of up to this many rows:
+# every strip of w's rows reads the block's rows of x again, from L2 where they fit, and rows
+# lying 4 KiB apart at random in x fall unevenly into L2's sets where a gathered block fills
+# them evenly. Zen 4 EPYC (2026-12-07), layer float32 forward, gathered → by index, alternated
+# in one process (pair ratios' medians, 10–30 rounds): fine-grained T = 256 (blocks of ~32
+# rows) 0.976 / 0.984×, Mixtral T = 256 (~64) 0.982×; fine T = 512 (~64) 1.033 / 0.994×, T =
+# 1024 (~128) 1.006×, T = 2048 (~256) 1.026 / 1.028×, Mixtral T = 512 / 1024 1.015 / 1.011×.
+FLOAT32_FORWARD_INDEX_MAX_ROWS = 64
+
+
+def _float32_linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], index: Tensor) -> Optional[Tensor]:
+    if not (
+        w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32) and x.dim() == 2
+        and x.stride(1) == 1 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
+        and index.dtype == torch.int64 and index.dim() == 1 and index.is_contiguous() and index.device == x.device
+    ):
+        return None
+    found = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
+    entry = _float32_linear_rows_entry_point() if found is not None else None
+    most = min(_avx512_forward_rows()[1], FLOAT32_FORWARD_INDEX_MAX_ROWS)
+    if entry is None or not blocks or not _rows_fit(blocks, most):
+        return None
+    E, O, I = w_EOI.shape
+    rows = max(stop for _, _, stop in blocks)
+    y = x.new_empty(index.shape[0], O) if out is None else out
+    if (
+        x.shape[1] != I or y.dim() != 2 or y.shape[1] != O or y.stride(1) != 1 or index.shape[0] < rows
+        or y.shape[0] < rows or min(b[1] for b in blocks) < 0
+    ):
+        raise ValueError(
+            f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
+            f"{tuple(y.shape)} do not fit blocks of {rows} rows"
+        )
+    _rows_call(
+        "linear_blocks", entry, blocks, index, rows, x.shape[0], E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}",
+        (x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
+         y.data_ptr(), y.stride(0)),
+        (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1]),
+    )
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_linear_rows_entry_point():  # (x, ldx, tokens, index, w, its strides, y, ldy, blocks, sizes, chunk, team)
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_ready", "moe_ffn_avx512_linear_rows_f32")
+    if points is None:
+        return None
+    (entry,) = points
+    entry.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT,
+                      _PTR, _PTR, _PTR]
+    return entry
 
 
 def _rows_call(

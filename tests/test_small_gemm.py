@@ -1356,8 +1356,8 @@ def test_bf16_many_small_blocks_taken_whole_by_the_threads_are_the_same_bits(sha
 
 def test_bf16_forward_by_index_checks_the_indices():
     """An index of a block's rows outside x's rows is a ValueError naming the range, nothing
-    written; an index past the blocks' rows is not read; a float32 x or an int32 index is
-    declined (None) for the caller to gather."""
+    written; an index past the blocks' rows is not read; an int32 index is declined (None) for
+    the caller to gather."""
     _needs_bf16_blocks()
     x, w = torch.randn(10, 64).bfloat16(), torch.randn(2, 8, 64).bfloat16()
     out = torch.full((4, 8), 7.0, dtype=torch.bfloat16)
@@ -1369,8 +1369,49 @@ def test_bf16_forward_by_index_checks_the_indices():
     assert y is out and bool((out[3] == 7).all())
     exact = x[[9, 0, 4]].double() @ w[1].double().t()
     _bf16_within_one_rounding(out[:3], exact, _bound(x[[9, 0, 4]].double().abs(), w[1].double().abs().t(), 64))
-    assert _small_gemm.linear_blocks(x.float(), w.float(), [(1, 0, 3)], index=torch.tensor([0, 1, 2])) is None
     assert _small_gemm.linear_blocks(x, w, [(1, 0, 3)], index=torch.tensor([0, 1, 2], dtype=torch.int32)) is None
+
+
+@pytest.mark.parametrize("depth", [_small_gemm.AVX512_FORWARD_DEPTH, _small_gemm.AVX512_FORWARD_DEPTH_AMD])
+@pytest.mark.parametrize("shape", [(64, 96), (100, 1030), (24, 4200)])
+def test_float32_forward_by_index_reads_the_tokens_rows(monkeypatch, shape, depth):
+    """The AVX-512 float32 forward with `index` (linear_blocks, moe_ffn_avx512_linear_rows_f32):
+    row n of the blocks is x[index[n]], each register tile's rows read where they lie. Blocks
+    of 1, 3, 4, 7 and the most rows it takes here (FLOAT32_FORWARD_INDEX_MAX_ROWS), tokens
+    repeated and out of order, I past a multiple of 16 and past a chunk: bit for bit what the
+    gathered rows give, within float32's bound of float64's, rows no block has unwritten. A
+    block past those rows is declined (None, nothing written); an index outside x's rows is a
+    ValueError, nothing written."""
+    most = min(_small_gemm.float32_blocks_max_rows(torch.ones(1, 1)), _small_gemm.FLOAT32_FORWARD_INDEX_MAX_ROWS)
+    if most == 0:
+        pytest.skip("the AVX-512 float32 forward kernel does not run here")
+    monkeypatch.setattr(_small_gemm, "avx512_forward_depth", lambda: depth)
+    O, I = shape
+    T = 40
+    blocks, start = [], 0
+    for e, n in [(2, 1), (0, 3), (1, 4), (2, 7), (0, most)]:
+        blocks.append((e, start, start + n))
+        start += n + (1 if e == 1 else 0)  # (a row no block has)
+    torch.manual_seed(29)
+    x, w = torch.randn(T, I), torch.randn(3, O, I)
+    index = torch.randint(0, T, (start,))
+    out = torch.full((start, O), float("nan"))
+    assert _small_gemm.linear_blocks(x, w, blocks, out=out, index=index) is out
+    gathered = _small_gemm.linear_blocks(x[index].contiguous(), w, blocks)
+    for e, first, stop in blocks:
+        assert torch.equal(out[first:stop], gathered[first:stop])
+        rows = x[index[first:stop]].double()
+        bound = _bound(rows.abs(), w[e].double().abs().t(), I)
+        assert ((out[first:stop].double() - rows @ w[e].double().t()).abs() <= bound).all()
+    assert out[blocks[2][2]].isnan().all()
+    fresh = torch.full((start + 1, O), 7.0)
+    longer = blocks[:-1] + [(0, blocks[-1][1], blocks[-1][2] + 1)]
+    assert _small_gemm.linear_blocks(x, w, longer, out=fresh, index=torch.zeros(start + 1, dtype=torch.int64)) is None
+    bad = index.clone()
+    bad[4] = T
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
+        _small_gemm.linear_blocks(x, w, blocks, out=fresh[:start], index=bad)
+    assert bool((fresh == 7).all())
 
 
 @pytest.mark.parametrize("rows", [5, 8, 13, 17, 24, 25])
