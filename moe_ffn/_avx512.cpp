@@ -66,9 +66,12 @@ struct WeightGradOf {
   int64_t ldc;
   int64_t k, m, n;
   bool accumulate, stream;
-  // Where given (the bf16 packed weight gradient only), b's row r is b's row b_index[r] (b then
-  // the tokens' rows): gathered as b's panels are packed.
+  // Where given, b's row r is b's row b_index[r] (b then the tokens' rows): gathered as b's
+  // panels are packed. Likewise a's row r is a's row a_index[r], multiplied by a_scale[r]
+  // where that is given too (float32 only: a routed layer's weighted output gradient).
   const int64_t* b_index = nullptr;
+  const int64_t* a_index = nullptr;
+  const float* a_scale = nullptr;
 };
 using WeightGrad = WeightGradOf<float, float, float>;
 
@@ -221,17 +224,26 @@ void rows_range(const P& p, int64_t first, int64_t last) {
 }
 
 // a's columns [first, last) over steps [0, steps) (a [steps, m], rows lda apart) transposed
-// into at [last - first, steps] (each column's steps contiguous), 16×16 blocks in registers.
-inline void transpose_columns(const float* a, int64_t lda, int64_t steps, int64_t first, int64_t last, float* at) {
+// into at [last - first, steps] (each column's steps contiguous), 16×16 blocks in registers;
+// with `index`, step s is a's row index[s], and with `scale` its values are multiplied by
+// scale[s] (each product rounded once, as torch's float32 multiply rounds it).
+inline void transpose_columns(const float* a, int64_t lda, int64_t steps, int64_t first, int64_t last, float* at,
+                              const int64_t* index = nullptr, const float* scale = nullptr) {
   for (int64_t i0 = first; i0 < last; i0 += 16) {
     const int64_t ni = std::min<int64_t>(16, last - i0);
     const __mmask16 in_lanes = static_cast<__mmask16>(ni == 16 ? 0xFFFF : (1u << ni) - 1);
     for (int64_t s0 = 0; s0 < steps; s0 += 16) {
       const int64_t ns = std::min<int64_t>(16, steps - s0);
       __m512i r[16];
-      for (int64_t s = 0; s < 16; ++s)
-        r[s] = s < ns ? _mm512_castps_si512(_mm512_maskz_loadu_ps(in_lanes, a + (s0 + s) * lda + i0))
-                      : _mm512_setzero_si512();
+      for (int64_t s = 0; s < 16; ++s) {
+        if (s >= ns) {
+          r[s] = _mm512_setzero_si512();
+          continue;
+        }
+        __m512 v = _mm512_maskz_loadu_ps(in_lanes, a + (index ? index[s0 + s] : s0 + s) * lda + i0);
+        if (scale) v = _mm512_mul_ps(v, _mm512_set1_ps(scale[s0 + s]));
+        r[s] = _mm512_castps_si512(v);
+      }
       transpose16(r);
       const __mmask16 out_lanes = static_cast<__mmask16>(ns == 16 ? 0xFFFF : (1u << ns) - 1);
       for (int64_t j = 0; j < ni; ++j)
@@ -251,6 +263,9 @@ struct MatmulOf {
   TC* c;  // [m, n], rows ldc apart
   int64_t ldc;
   int64_t m, k, n;
+  // Where given (a [m, k] only, float32), row r of a is a's row a_index[r] (a then the tokens'
+  // rows): gathered as the chunks' rows of a are copied into contiguous memory.
+  const int64_t* a_index = nullptr;
 };
 using Matmul = MatmulOf<float, float, float>;
 
@@ -428,25 +443,33 @@ int64_t one_row_panels(const P& p, const float* a, decltype(P::c) c, int64_t fir
 }
 
 // c's rows [first_row, last_row) and columns [first, last_column).
+// (with p.a_index, A_ROWS, every chunk's rows are copied: the tiles read the copy, or one row
+// where it lies; where the scratch could not be had, a thread's own kMatmulRows × kMatmulDepth)
 template <bool A_ROWS>
 void matmul_range(const Matmul& p, int64_t first_row, int64_t last_row, int64_t first, int64_t last_column) {
+  const auto a_row = [&](int64_t r) { return p.a + (p.a_index ? p.a_index[r] : r) * p.lda; };
   if (last_row - first_row == 1) {
-    first = one_row_panels<A_ROWS>(p, p.a + (A_ROWS ? first_row * p.lda : first_row), p.c + first_row * p.ldc,
-                                   first, last_column);
+    first = one_row_panels<A_ROWS>(p, A_ROWS ? a_row(first_row) : p.a + first_row, p.c + first_row * p.ldc, first,
+                                   last_column);
     if (first == last_column) return;
   }
   for (int64_t r0 = first_row; r0 < last_row; r0 += kMatmulRows) {
     const int64_t r1 = std::min(last_row, r0 + kMatmulRows);
     for (int64_t s0 = 0; s0 < p.k; s0 += kMatmulDepth) {
       const int64_t depth = std::min(kMatmulDepth, p.k - s0);
-      if (r1 - r0 > 6) {  // (see kMatmulDepth: the chunk's part of a as contiguous rows of c's rows)
-        if (float* rows = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>((r1 - r0) * depth) * 4))) {
+      if (r1 - r0 > 6 || (A_ROWS && p.a_index)) {  // (see kMatmulDepth: the chunk's part of a as contiguous rows of c's rows)
+        float* rows = static_cast<float*>(moe_ffn_team::thread_scratch(static_cast<size_t>((r1 - r0) * depth) * 4));
+        if (rows == nullptr && A_ROWS && p.a_index) {
+          alignas(64) static thread_local float own[kMatmulRows * kMatmulDepth];
+          rows = own;
+        }
+        if (rows != nullptr) {
           if constexpr (A_ROWS) {
             for (int64_t r = r0; r < r1; ++r)
               for (int64_t s = 0; s < depth; s += 16) {
                 const __mmask16 lanes = static_cast<__mmask16>(depth - s >= 16 ? 0xFFFF : (1u << (depth - s)) - 1);
                 _mm512_mask_storeu_ps(rows + (r - r0) * depth + s, lanes,
-                                      _mm512_maskz_loadu_ps(lanes, p.a + r * p.lda + s0 + s));
+                                      _mm512_maskz_loadu_ps(lanes, a_row(r) + s0 + s));
               }
           } else {
             transpose_columns(p.a + s0 * p.lda, p.lda, depth, r0, r1, rows);
@@ -678,7 +701,8 @@ void whole_sums(const P& p, int64_t first, int64_t last_column) {
 constexpr int64_t kPanelLeast = 16;
 constexpr int64_t kPanelMost = 2048;
 constexpr int64_t kAtFloats = 1 << 20;
-// c's rows [first, last), columns from q0, of aᵀ·b with b's row s at p.b_index[s]: each
+// c's rows [first, last), columns from q0, of aᵀ·b with b's row s at p.b_index[s] (and a's at
+// p.a_index[s], times p.a_scale[s], where given): each
 // element's sum over s in order by FMAs from zero (and added to c's old value where
 // accumulating), as `tile` forms it, so the same bits as the panels or rows_range on gathered
 // rows; for what those do not take with an index (few rows, narrow c, the columns past the
@@ -689,9 +713,12 @@ void rows_by_index(const WeightGrad& p, int64_t first, int64_t last, int64_t q0)
     for (int64_t q = q0; q < p.n; q += 16) {
       const __mmask16 lanes = static_cast<__mmask16>(p.n - q >= 16 ? 0xFFFF : (1u << (p.n - q)) - 1);
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t s = 0; s < p.k; ++s)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(p.a[s * p.lda + r]),
-                              _mm512_maskz_loadu_ps(lanes, p.b + p.b_index[s] * p.ldb + q), acc);
+      for (int64_t s = 0; s < p.k; ++s) {
+        float a_s = p.a[(p.a_index ? p.a_index[s] : s) * p.lda + r];
+        if (p.a_scale) a_s *= p.a_scale[s];
+        const float* b_s = p.b + (p.b_index ? p.b_index[s] : s) * p.ldb + q;
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(a_s), _mm512_maskz_loadu_ps(lanes, b_s), acc);
+      }
       float* at = p.c + r * p.ldc + q;
       if (ACCUMULATE) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(lanes, at));
       _mm512_mask_storeu_ps(at, lanes, acc);
@@ -706,7 +733,7 @@ void rows_by_index(const WeightGrad& p, int64_t first, int64_t last, int64_t q0)
 template <bool ACCUMULATE, bool STREAM>
 void panels_chunk(const WeightGrad& p, int64_t r0, int64_t r1, float* at, float* panel_at, bool then) {
   const int64_t count = r1 - r0;
-  transpose_columns(p.a, p.lda, p.k, r0, r1, at);
+  transpose_columns(p.a, p.lda, p.k, r0, r1, at, p.a_index, p.a_scale);
   const int64_t whole = p.n / 64 * 64;
   for (int64_t q = 0; q < whole; q += 64) {
     const float* panel = pack_panel(p.b + q, p.ldb, p.k, panel_at, p.b_index);
@@ -742,7 +769,7 @@ bool panels_range(const WeightGrad& p, int64_t first, int64_t last) {
     panels_chunk<ACCUMULATE, STREAM>(p, r0, std::min(last, r0 + chunk), at, panel_at, r0 + chunk < last);
   const int64_t whole = p.n / 64 * 64;
   if (STREAM) _mm_sfence();
-  if (whole < p.n && p.b_index != nullptr) {
+  if (whole < p.n && (p.b_index != nullptr || p.a_index != nullptr)) {
     rows_by_index<ACCUMULATE>(p, first, last, whole);
   } else if (whole < p.n) {
     WeightGrad rest = p;
@@ -815,7 +842,7 @@ void run_rows(const WeightGrad& p, int64_t first, int64_t last) {
                      : panels_range<false, false>(p, first, last))
       return;
   }
-  if (p.b_index != nullptr) {  // (rows_range reads b's rows in place)
+  if (p.b_index != nullptr || p.a_index != nullptr) {  // (rows_range reads the rows in place)
     if (p.accumulate) rows_by_index<true>(p, first, last, 0);
     else rows_by_index<false>(p, first, last, 0);
     return;
@@ -994,14 +1021,12 @@ bool float32_blocks_fit(const int64_t* blocks, int64_t count, int64_t experts, b
 
 }  // namespace
 
-// Input gradients c[start:stop] = a[start:stop]·b_e for float32 a [rows, k], expert e's b_e
-// [k, n] (at b + e·b_expert, rows ldb apart), c [rows, n]: moe_ffn_avx512_matmul_f32's product
-// (a_steps_are_rows 0) block by block. Its threads split c's columns, so n must give each of
-// `threads` 64 or more (else -1).
-extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, const float* b, int64_t experts,
-                                                int64_t b_expert, int64_t ldb, float* c, int64_t ldc,
-                                                const int64_t* blocks, int64_t count, int64_t k, int64_t n,
-                                                int threads, void* parallel, void* thread_num, void* num_threads) {
+namespace {
+
+// (a_index: where given, a's row r of a block is a's row a_index[start + r])
+int matmul_blocks_f32(const float* a, int64_t lda, const int64_t* a_index, const float* b, int64_t experts,
+                      int64_t b_expert, int64_t ldb, float* c, int64_t ldc, const int64_t* blocks, int64_t count,
+                      int64_t k, int64_t n, int threads, void* parallel, void* thread_num, void* num_threads) {
   if (!ready() || k < 1 || threads < 1 || n < 64 * threads || count < 0 || !float32_blocks_fit(blocks, count, experts, false))
     return -1;
   const int64_t team_size = std::min<int64_t>(threads, n / 64);
@@ -1010,11 +1035,26 @@ extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, con
     share(n, 64, t, parts, &first, &last);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = blocks[4 * i], start = blocks[4 * i + 1], stop = blocks[4 * i + 2];
-      const Matmul p{a + start * lda, lda, b + e * b_expert, ldb, c + start * ldc, ldc, stop - start, k, n};
+      Matmul p{a_index ? a : a + start * lda, lda, b + e * b_expert, ldb, c + start * ldc, ldc, stop - start, k, n};
+      p.a_index = a_index ? a_index + start : nullptr;
       if (stop > start) matmul_range<true>(p, 0, stop - start, first, last);
     }
   });
   return 0;
+}
+
+}  // namespace
+
+// Input gradients c[start:stop] = a[start:stop]·b_e for float32 a [rows, k], expert e's b_e
+// [k, n] (at b + e·b_expert, rows ldb apart), c [rows, n]: moe_ffn_avx512_matmul_f32's product
+// (a_steps_are_rows 0) block by block. Its threads split c's columns, so n must give each of
+// `threads` 64 or more (else -1).
+extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, const float* b, int64_t experts,
+                                                int64_t b_expert, int64_t ldb, float* c, int64_t ldc,
+                                                const int64_t* blocks, int64_t count, int64_t k, int64_t n,
+                                                int threads, void* parallel, void* thread_num, void* num_threads) {
+  return matmul_blocks_f32(a, lda, nullptr, b, experts, b_expert, ldb, c, ldc, blocks, count, k, n, threads, parallel,
+                           thread_num, num_threads);
 }
 
 // Weight gradients c_e = a[start:stop]ᵀ·b[start:stop] (c_e += with the block's accumulate
@@ -1025,18 +1065,20 @@ extern "C" int moe_ffn_avx512_matmul_blocks_f32(const float* a, int64_t lda, con
 // a_steps_are_rows (those may not accumulate, and n must give each thread 64 columns: else -1).
 namespace {
 
-// (b_index: where given, b's row r of a block is b's row b_index[start + r], and every block
-// takes the weight-gradient kernel: none past outer_rows, else -1)
-int weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t ldb, const int64_t* b_index, float* c,
-                           int64_t experts, int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
-                           int64_t m, int64_t n, int64_t outer_rows, int stream, int threads, void* parallel,
-                           void* thread_num, void* num_threads) {
+// (b_index: where given, b's row r of a block is b's row b_index[start + r]; a_index, a_scale
+// likewise for a (see WeightGradOf); with either every block takes the weight-gradient kernel:
+// none past outer_rows, else -1)
+int weight_grad_blocks_f32(const float* a, int64_t lda, const int64_t* a_index, const float* a_scale, const float* b,
+                           int64_t ldb, const int64_t* b_index, float* c, int64_t experts, int64_t c_expert,
+                           int64_t ldc, const int64_t* blocks, int64_t count, int64_t m, int64_t n,
+                           int64_t outer_rows, int stream, int threads, void* parallel, void* thread_num,
+                           void* num_threads) {
   if (!ready() || m < 0 || n < 0 || threads < 1 || count < 0 || !float32_blocks_fit(blocks, count, experts, true))
     return -1;
   int64_t team_size = std::max<int64_t>(1, m / 24);  // (the outer-product kernel's team)
   for (int64_t i = 0; i < count; ++i) {
     if (blocks[4 * i + 2] - blocks[4 * i + 1] <= outer_rows) continue;
-    if (blocks[4 * i + 3] || n < 64 * threads || b_index != nullptr) return -1;
+    if (blocks[4 * i + 3] || n < 64 * threads || b_index != nullptr || a_index != nullptr) return -1;
     team_size = std::max<int64_t>(team_size, n / 64);
   }
   team_size = std::min<int64_t>(threads, team_size);
@@ -1050,8 +1092,20 @@ int weight_grad_blocks_f32(const float* a, int64_t lda, const float* b, int64_t 
         const int64_t own = std::min<int64_t>(parts, std::max<int64_t>(1, m / 24));
         if (t >= own) continue;
         share(m, 6, t, own, &first, &last);
-        const WeightGrad p{a + start * lda, lda,         b_index ? b : b + start * ldb, ldb, c_e, ldc, rows, m, n,
-                           accumulate,      stream != 0 && !accumulate, b_index ? b_index + start : nullptr};
+        const WeightGrad p{a_index ? a : a + start * lda,
+                           lda,
+                           b_index ? b : b + start * ldb,
+                           ldb,
+                           c_e,
+                           ldc,
+                           rows,
+                           m,
+                           n,
+                           accumulate,
+                           stream != 0 && !accumulate,
+                           b_index ? b_index + start : nullptr,
+                           a_index ? a_index + start : nullptr,
+                           a_index && a_scale ? a_scale + start : nullptr};
         run_rows(p, first, last);
       } else {  // as moe_ffn_avx512_matmul_f32, a_steps_are_rows
         const int64_t own = std::min<int64_t>(parts, n / 64);
@@ -1072,8 +1126,8 @@ extern "C" int moe_ffn_avx512_weight_grad_blocks_f32(const float* a, int64_t lda
                                                      const int64_t* blocks, int64_t count, int64_t m, int64_t n,
                                                      int64_t outer_rows, int stream, int threads, void* parallel,
                                                      void* thread_num, void* num_threads) {
-  return weight_grad_blocks_f32(a, lda, b, ldb, nullptr, c, experts, c_expert, ldc, blocks, count, m, n, outer_rows,
-                                stream, threads, parallel, thread_num, num_threads);
+  return weight_grad_blocks_f32(a, lda, nullptr, nullptr, b, ldb, nullptr, c, experts, c_expert, ldc, blocks, count, m, n,
+                                outer_rows, stream, threads, parallel, thread_num, num_threads);
 }
 
 // ---- bf16: a decode step's blocks (grouped.py's bf16 layers where the CPU has bf16 units) ----
@@ -2450,19 +2504,39 @@ extern "C" int moe_ffn_avx512_weight_grad_rows_bf16_packed(const bf16_t* a, int6
                      });
 }
 
-// The float32 weight gradients above (moe_ffn_avx512_weight_grad_blocks_f32) with b's row r of
-// each block read as b's row b_index[r] (b [tokens, n], the tokens' rows), gathered as the
-// panels are packed (the same sums, bit for bit), where a gather beforehand wrote a [rows, n]
-// copy for them to read back. -1 (nothing written) where an index of a block's rows lies
-// outside [0, tokens) or a block has more than outer_rows rows.
-extern "C" int moe_ffn_avx512_weight_grad_rows_f32(const float* a, int64_t lda, const float* b, int64_t ldb,
-                                                   int64_t tokens, const int64_t* b_index, float* c, int64_t experts,
-                                                   int64_t c_expert, int64_t ldc, const int64_t* blocks, int64_t count,
-                                                   int64_t m, int64_t n, int64_t outer_rows, int stream, int threads,
+// The float32 weight gradients above (moe_ffn_avx512_weight_grad_blocks_f32) with the blocks'
+// rows read from the tokens' rows by index (the same sums, bit for bit), where a gather
+// beforehand wrote [rows, ·] copies for them to read back: b's row r of the blocks is b's row
+// b_index[r] (b [b_tokens, n]), gathered as the panels are packed; a's row r is a's row
+// a_index[r] (a [a_tokens, m]) times a_scale[r] (where given; each product rounded once),
+// gathered as a's columns are transposed. Either index may be null, not both. -1 (nothing
+// written) where an index of a block's rows lies outside its tokens or a block has more than
+// outer_rows rows.
+extern "C" int moe_ffn_avx512_weight_grad_rows_f32(const float* a, int64_t lda, int64_t a_tokens, const int64_t* a_index,
+                                                   const float* a_scale, const float* b, int64_t ldb, int64_t b_tokens,
+                                                   const int64_t* b_index, float* c, int64_t experts, int64_t c_expert,
+                                                   int64_t ldc, const int64_t* blocks, int64_t count, int64_t m,
+                                                   int64_t n, int64_t outer_rows, int stream, int threads,
                                                    void* parallel, void* thread_num, void* num_threads) {
-  if (b_index == nullptr || count < 0 || !rows_within(blocks, count, b_index, tokens)) return -1;
-  return weight_grad_blocks_f32(a, lda, b, ldb, b_index, c, experts, c_expert, ldc, blocks, count, m, n, outer_rows,
-                                stream, threads, parallel, thread_num, num_threads);
+  if ((a_index == nullptr && b_index == nullptr) || count < 0) return -1;
+  if ((a_index && !rows_within(blocks, count, a_index, a_tokens)) || (b_index && !rows_within(blocks, count, b_index, b_tokens)))
+    return -1;
+  return weight_grad_blocks_f32(a, lda, a_index, a_scale, b, ldb, b_index, c, experts, c_expert, ldc, blocks, count, m, n,
+                                outer_rows, stream, threads, parallel, thread_num, num_threads);
+}
+
+// The float32 input gradients above (moe_ffn_avx512_matmul_blocks_f32) with row r of the
+// blocks' a read as a's row a_index[r] (a [tokens, k], the tokens' rows: a routed layer's
+// output gradient), gathered as the chunks' rows are copied (the same sums, bit for bit), where
+// a gather beforehand wrote a [rows, k] copy. -1 (nothing written) where an index of a block's
+// rows lies outside [0, tokens).
+extern "C" int moe_ffn_avx512_matmul_rows_f32(const float* a, int64_t lda, int64_t tokens, const int64_t* a_index,
+                                              const float* b, int64_t experts, int64_t b_expert, int64_t ldb, float* c,
+                                              int64_t ldc, const int64_t* blocks, int64_t count, int64_t k, int64_t n,
+                                              int threads, void* parallel, void* thread_num, void* num_threads) {
+  if (a_index == nullptr || count < 0 || !rows_within(blocks, count, a_index, tokens)) return -1;
+  return matmul_blocks_f32(a, lda, a_index, b, experts, b_expert, ldb, c, ldc, blocks, count, k, n, threads, parallel,
+                           thread_num, num_threads);
 }
 
 // The float32 forward's blocks (moe_ffn_avx512_linear_blocks_f32 / _deep, chunks of `chunk`)

@@ -537,13 +537,15 @@ FLOAT32_FORWARD_INDEX_MAX_ROWS = 64
 
 def _float32_linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], index: Tensor) -> Optional[Tensor]:
     if not (
-        w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32) and x.dim() == 2
-        and x.stride(1) == 1 and w_EOI.dim() == 3 and w_EOI.stride(2) == 1
-        and index.dtype == torch.int64 and index.dim() == 1 and index.is_contiguous() and index.device == x.device
+        w_EOI.dtype == torch.float32 and (out is None or out.dtype == torch.float32) and w_EOI.dim() == 3
+        and w_EOI.stride(2) == 1 and _index_fits(x, index)
     ):
         return None
     found = _avx512_for(1, AVX512_FORWARD_ROWS, (x,), out)
-    entry = _float32_linear_rows_entry_point() if found is not None else None
+    entry = _float32_rows_entry_point(
+        "moe_ffn_avx512_linear_rows_f32",
+        (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR),
+    ) if found is not None else None
     most = min(_avx512_forward_rows()[1], FLOAT32_FORWARD_INDEX_MAX_ROWS)
     if entry is None or not blocks or not _rows_fit(blocks, most):
         return None
@@ -565,19 +567,6 @@ def _float32_linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[T
         (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1]),
     )
     return y
-
-
-@functools.lru_cache(maxsize=None)
-def _float32_linear_rows_entry_point():  # (x, ldx, tokens, index, w, its strides, y, ldy, blocks, sizes, chunk, team)
-    if _avx512_entry_points() is None:
-        return None
-    points = _ready_entry_points("moe_ffn_avx512_ready", "moe_ffn_avx512_linear_rows_f32")
-    if points is None:
-        return None
-    (entry,) = points
-    entry.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT,
-                      _PTR, _PTR, _PTR]
-    return entry
 
 
 def _rows_call(
@@ -1550,12 +1539,18 @@ def _float32_blocks_here(blocks: list[tuple[int, int, int]], weight_elements: in
     )
 
 
-def float32_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+def float32_input_grad_blocks(
+    out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list[tuple[int, int, int]], a_index: Optional[Tensor] = None
+) -> bool:
     """out[start:stop] = g[start:stop]·w_EOI[e] for every block, in one call, each block as
     `avx512_matmul_into` computes it; returns whether it ran (when False, `out` is untouched):
     float32 g, w_EOI [E, O, I] (contiguous rows) and out, where MKL's sgemm runs its AVX2 code
     or the blocks are small (`INTEL_FLOAT32_BLOCKS`), with I ≥ 64 a thread (the kernel's
-    threads split the columns)."""
+    threads split the columns).
+
+    a_index (int64 [rows]): row n of the blocks' g is g[a_index[n]] (g the tokens' rows),
+    gathered as the kernel copies its rows (the same bits). ValueError where an index of the
+    blocks' rows lies outside g."""
     here = w_EOI.dim() == 3 and _float32_blocks_here(blocks, w_EOI.shape[1] * w_EOI.shape[2])
     points = _float32_blocks_entry_points() if here else None
     if points is None or not (
@@ -1566,8 +1561,61 @@ def float32_input_grad_blocks(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: lis
     kernel = _kernel_for((g,), out)
     if kernel is None:
         return False
+    if a_index is not None:
+        return _float32_input_grad_rows(out, g, w_EOI, blocks, a_index, kernel[1])
     _through_experts("float32_input_grad_blocks", points[0], kernel[1], g, w_EOI, out, blocks, transposed=False)
     return True
+
+
+# The float32 input gradients reading the output gradient's rows by index
+# (moe_ffn_avx512_matmul_rows_f32): grouped.py's routed backward had gathered them into a
+# [rows, D] copy first (`_rows`), as for x (see _float32_weight_grad_rows).
+def _float32_input_grad_rows(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list, a_index: Tensor, openmp) -> bool:
+    if not (_index_fits(g, a_index) and out.dim() == 2 and out.stride(1) == 1):
+        return False
+    entry = _float32_rows_entry_point(
+        "moe_ffn_avx512_matmul_rows_f32",
+        (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR),
+    )
+    if entry is None:
+        return False
+    E, O, I = w_EOI.shape
+    rows = max(stop for _, _, stop in blocks)
+    if g.shape[1] != O or out.shape[1] != I or out.shape[0] < rows or a_index.shape[0] < rows or min(b[1] for b in blocks) < 0:
+        raise ValueError(
+            f"float32_input_grad_blocks: g {tuple(g.shape)} by index {tuple(a_index.shape)} through w "
+            f"{tuple(w_EOI.shape)} into {tuple(out.shape)} do not fit blocks of {rows} rows"
+        )
+    _rows_call(
+        "float32_input_grad_blocks", entry, blocks, a_index, rows, g.shape[0], E, f"g {tuple(g.shape)}, w {tuple(w_EOI.shape)}",
+        (g.data_ptr(), g.stride(0), g.shape[0], a_index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0),
+         w_EOI.stride(1), out.data_ptr(), out.stride(0)),
+        (O, I, torch.get_num_threads(), *openmp),
+    )
+    return True
+
+
+def _index_fits(src: Tensor, index: Tensor) -> bool:
+    """Whether a kernel may read src's rows (float32, rows contiguous) by this index (int64,
+    one contiguous dimension, on src's device)."""
+    return (
+        src.dtype == torch.float32 and src.dim() == 2 and src.stride(1) == 1 and index.dtype == torch.int64
+        and index.dim() == 1 and index.is_contiguous() and index.device == src.device
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_rows_entry_point(name: str, argtypes: tuple):
+    """The AVX-512 float32 entry point `name` that reads the tokens' rows by index, where the
+    AVX-512 kernels run (the library built, the CPU able); else None."""
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_ready", name)
+    if points is None:
+        return None
+    (entry,) = points
+    entry.argtypes = list(argtypes)
+    return entry
 
 
 def _streamed_gradients(out_EMN: Tensor) -> bool:
@@ -1585,7 +1633,7 @@ def _streamed_gradients(out_EMN: Tensor) -> bool:
 
 def float32_weight_grad_blocks(
     out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list[tuple[int, int, int]], accumulate: list[bool],
-    b_index: Optional[Tensor] = None,
+    b_index: Optional[Tensor] = None, a_index: Optional[Tensor] = None, a_scale: Optional[Tensor] = None,
 ) -> list[bool]:
     """out_EMN[e] = a[start:stop]ᵀ·b[start:stop] (added to where the block's `accumulate` is
     set) for the blocks the single-block kernels would take (see above: blocks past
@@ -1595,9 +1643,11 @@ def float32_weight_grad_blocks(
     and out_EMN [E, m, n] (contiguous rows).
 
     b_index (int64 [rows]): row n of the blocks' b is b[b_index[n]] (b the tokens' rows),
-    gathered as the kernel packs it (the same bits); all blocks or none (none where a block has
-    more than SGEMM_AVX2_WEIGHT_GRAD_ROWS rows: the caller gathers). ValueError where an index
-    of the blocks' rows lies outside b."""
+    gathered as the kernel packs it (the same bits); a_index likewise for a, whose row n is
+    then also multiplied by a_scale[n] where that is given (float32 [rows]: the products
+    rounded once, as torch's a[a_index] * a_scale[:, None]). All blocks or none (none where a
+    block has more than SGEMM_AVX2_WEIGHT_GRAD_ROWS rows: the caller gathers). ValueError where
+    an index of the blocks' rows lies outside its tensor's rows."""
     none = [False] * len(blocks)
     here = out_EMN.dim() == 3 and _float32_blocks_here(blocks, out_EMN.shape[1] * out_EMN.shape[2])
     points = _float32_blocks_entry_points() if here else None
@@ -1610,8 +1660,8 @@ def float32_weight_grad_blocks(
         return none
     E, M, N = out_EMN.shape
     outer_rows = SGEMM_AVX2_WEIGHT_GRAD_ROWS[1]
-    if b_index is not None:
-        return _float32_weight_grad_rows(out_EMN, a, b, blocks, accumulate, b_index, outer_rows, kernel[1])
+    if b_index is not None or a_index is not None:
+        return _float32_weight_grad_rows(out_EMN, a, b, blocks, accumulate, b_index, a_index, a_scale, outer_rows, kernel[1])
     wide = N >= 64 * torch.get_num_threads()
     done = [stop - start <= outer_rows or (wide and not add) for (_, start, stop), add in zip(blocks, accumulate)]
     chosen = [(block, add) for block, add, d in zip(blocks, accumulate, done) if d]
@@ -1627,56 +1677,63 @@ def float32_weight_grad_blocks(
     return done
 
 
-# The float32 weight gradients reading b's rows from the tokens' rows by index
+# The float32 weight gradients reading their operands' rows from the tokens' rows by index
 # (moe_ffn_avx512_weight_grad_rows_f32): grouped.py's backward had gathered x's rows into a
 # [rows, D] copy for them (`_rows`), 1.1–1.5 ms a group of ~4000 rows of 1024 on the Zen 4
-# EPYC; the panels now gather them as they are packed, the same bits.
+# EPYC, and the output gradient's likewise, then weighted it in a pass of its own; the panels
+# now gather x's rows as they are packed and the transposes of a's columns the output
+# gradient's, weighted as they are read: the same bits.
 def _float32_weight_grad_rows(
-    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, accumulate: list[bool], b_index: Tensor, outer_rows: int,
-    openmp: tuple,
+    out_EMN: Tensor, a: Tensor, b: Tensor, blocks: list, accumulate: list[bool], b_index: Optional[Tensor],
+    a_index: Optional[Tensor], a_scale: Optional[Tensor], outer_rows: int, openmp: tuple,
 ) -> list[bool]:
     none = [False] * len(blocks)
     if not (
-        b.dim() == 2 and b.stride(1) == 1 and b_index.dtype == torch.int64 and b_index.dim() == 1
-        and b_index.is_contiguous() and b_index.device == b.device
-        and all(stop - start <= outer_rows for _, start, stop in blocks)
+        (b_index is None or _index_fits(b, b_index)) and (a_index is None or _index_fits(a, a_index))
+        and (a_scale is None or (a_index is not None and a_scale.dtype == torch.float32 and a_scale.dim() == 1
+                                 and a_scale.is_contiguous() and a_scale.device == a.device))
+        and blocks and all(stop - start <= outer_rows for _, start, stop in blocks)
     ):
         return none
-    entry = _float32_weight_grad_rows_entry_point()
-    if entry is None or not blocks:
+    entry = _float32_rows_entry_point(
+        "moe_ffn_avx512_weight_grad_rows_f32",
+        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
+         _INT, _INT, _PTR, _PTR, _PTR),
+    )
+    if entry is None:
         return none
     E, M, N = out_EMN.shape
     rows = max(stop for _, _, stop in blocks)
+    index = a_index if b_index is None else b_index  # (for the error's range: the first the kernel checks)
     if (
-        a.dim() != 2 or a.shape[1] != M or b.shape[1] != N or a.shape[0] < rows or b_index.shape[0] < rows
-        or len(accumulate) != len(blocks) or min(blk[1] for blk in blocks) < 0
+        a.dim() != 2 or a.shape[1] != M or b.dim() != 2 or b.shape[1] != N or len(accumulate) != len(blocks)
+        or min(blk[1] for blk in blocks) < 0
+        or any(t is not None and t.shape[0] < rows for t in (a_index, b_index, a_scale))
+        or (a_index is None and a.shape[0] < rows) or (b_index is None and b.shape[0] < rows)
     ):
         raise ValueError(
             f"float32_weight_grad_blocks: out {tuple(out_EMN.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} by index "
-            f"{tuple(b_index.shape)} and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit"
+            f"and {len(accumulate)} accumulate flags for {len(blocks)} blocks do not fit"
         )
+    address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    if a_index is not None and b_index is not None:
+        _check_index("float32_weight_grad_blocks", a_index, rows, a.shape[0])
     _rows_call(
-        "float32_weight_grad_blocks", entry, blocks, b_index, rows, b.shape[0], E,
+        "float32_weight_grad_blocks", entry, blocks, index, rows, (b if b_index is not None else a).shape[0], E,
         f"a {tuple(a.shape)}, out {tuple(out_EMN.shape)}",
-        (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.shape[0], b_index.data_ptr(), out_EMN.data_ptr(), E,
-         out_EMN.stride(0), out_EMN.stride(1)),
+        (a.data_ptr(), a.stride(0), a.shape[0], address(a_index), address(a_scale), b.data_ptr(), b.stride(0),
+         b.shape[0], address(b_index), out_EMN.data_ptr(), E, out_EMN.stride(0), out_EMN.stride(1)),
         (M, N, outer_rows, int(_streamed_gradients(out_EMN)), torch.get_num_threads(), *openmp),
         accumulate=accumulate,
     )
     return [True] * len(blocks)
 
 
-@functools.lru_cache(maxsize=None)
-def _float32_weight_grad_rows_entry_point():  # (a, lda, b, ldb, tokens, b_index, c, its strides, blocks, sizes, outer, stream, team)
-    if _avx512_entry_points() is None:
-        return None
-    points = _ready_entry_points("moe_ffn_avx512_ready", "moe_ffn_avx512_weight_grad_rows_f32")
-    if points is None:
-        return None
-    (entry,) = points
-    entry.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _INT,
-                      _INT, _PTR, _PTR, _PTR]
-    return entry
+def _check_index(name: str, index: Tensor, rows: int, tokens: int) -> None:
+    if rows:
+        low, high = (int(v) for v in index[:rows].aminmax())
+        if low < 0 or high >= tokens:
+            raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")
 
 
 # bf16 decode blocks where the CPU multiplies bf16 natively but has no AMX (AVX512-BF16: the

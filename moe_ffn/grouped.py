@@ -1496,9 +1496,8 @@ def _ffn_backward(
     dx_ND = _memory.scratch(x, used, D) if by_token else None
     for group in groups:
         first, last = group[0][1], group[-1][2]
-        g_gD = _rows(grad_out, token_N, first, last).to(cdt)
         h_gH = h_NH[first:last].to(cdt)
-        da_gF = _memory.scratch(g_gD, last - first, F_)
+        da_gF = _memory.scratch(h_gH, last - first, F_)
         within = _within(group, first)
         none = [False] * len(group)  # (no block done by a kernel)
         # again[i]: block i's expert already holds a first piece (see _groups), added to
@@ -1506,6 +1505,15 @@ def _ffn_backward(
         for e, _, _ in group:
             again.append(e in seen)
             seen.add(e)
+        # The group's rows of the output gradient: gathered (g_gD), or on AMD's AVX-512 CPUs in
+        # float32 read by token index by the kernels of da = g·w2 and of w2's gradient (weighted
+        # as read), where they take every block (`_small_gemm.float32_input_grad_blocks`,
+        # `float32_weight_grad_blocks`: the same bits as the gathered and weighted copies).
+        tokens_g = token_N[first:last] if (
+            routed and not with_bias and cdt == dtype == weight_N.dtype == torch.float32
+            and not (need_w and _small_gemm.one_pass_here(w2_EDF, within))
+        ) else None
+        g_gD = None if tokens_g is not None else _rows(grad_out, token_N, first, last).to(cdt)
         # Decode-sized blocks: da = g·w2_e and w2's gradient (weighted g)ᵀ·a in one pass over w2
         # (_one_pass_gradients), a made from h first (as _hidden_backward makes it: the same
         # bits). Zen 4 EPYC, layer forward+backward against the two calls for w2 (weights out of
@@ -1518,7 +1526,11 @@ def _ffn_backward(
             pair2 = _one_pass_gradients(da_gF, grad_w2, g_gD, a_gF, w2_EDF, within, again, a=gw_gD)
             if not any(pair2):
                 a_gF = None
-        x_done2 = _merged(pair2, lambda rest: _input_grad_blocks(da_gF, g_gD, w2_EDF, [within[i] for i in rest]))
+        if tokens_g is not None and _small_gemm.float32_input_grad_blocks(da_gF, grad_out, w2_EDF, within, a_index=tokens_g):
+            x_done2 = [True] * len(group)
+        else:
+            g_gD = _rows(grad_out, token_N, first, last).to(cdt) if g_gD is None else g_gD
+            x_done2 = _merged(pair2, lambda rest: _input_grad_blocks(da_gF, g_gD, w2_EDF, [within[i] for i in rest]))
         for (e, start, stop), done in zip(group, x_done2):
             if not done:
                 rows = slice(start - first, stop - first)
@@ -1529,18 +1541,22 @@ def _ffn_backward(
         )
         a_gF = a_bw if a_gF is None else a_gF
         del da_gF, h_gH, a_bw
-        if routed:
-            if need_weight:
-                if with_bias:
-                    for e, start, stop in group:
-                        rows = slice(start - first, stop - first)
-                        dweight_g[rows] += g_gD[rows] @ b2_ED[e].to(cdt)
-                grad_weight_N[first:last] = dweight_g
-            # the expert's output rows' gradient (in place on the group's gathered rows; made
-            # above already where w2's pair took the one-pass kernels)
-            g_gD = gw_gD if gw_gD is not None else _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
-        if need_w:
-            # down projection's weight gradient, from the recomputed hidden rows
+        if routed and need_weight:
+            if with_bias:
+                for e, start, stop in group:
+                    rows = slice(start - first, stop - first)
+                    dweight_g[rows] += g_gD[rows] @ b2_ED[e].to(cdt)
+            grad_weight_N[first:last] = dweight_g
+        w2_done = none  # down projection's weight gradient, from the recomputed hidden rows
+        if need_w and tokens_g is not None:  # (its output gradient's rows weighted as the kernel reads them)
+            w2_done = _small_gemm.float32_weight_grad_blocks(
+                grad_w2, grad_out, a_gF, within, again, a_index=tokens_g, a_scale=weight_N[first:last]
+            )
+        if need_w and not all(w2_done):
+            if routed:  # the expert's output rows' gradient (in place on the group's gathered rows;
+                # made above already where w2's pair took the one-pass kernels)
+                g_gD = _rows(grad_out, token_N, first, last).to(cdt) if g_gD is None else g_gD
+                g_gD = gw_gD if gw_gD is not None else _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
             w2_done = _merged(pair2, lambda rest: _weight_grad_blocks(
                 grad_w2, g_gD, a_gF, [within[i] for i in rest], [again[i] for i in rest])) if not with_bias else none
             for (e, start, stop), add, done in zip(group, again, w2_done):

@@ -1688,6 +1688,84 @@ def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     assert bool((fresh == 7).all())
 
 
+@pytest.mark.parametrize("shape", [(48, 256), (1024, 512), (40, 200), (30, 33)])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_float32_weight_grad_reads_a_by_index_weighted(monkeypatch, shape, scaled):
+    """float32 weight gradients with `a_index` (and `a_scale`): the blocks' a rows are
+    a[a_index[n]] (times a_scale[n]), read as a's columns are transposed (the panels) or by the
+    per-row loop (3 rows; n = 33; the columns past the last panel of 64): bit for bit the
+    gathered rows multiplied by torch (a[a_index] * a_scale[:, None]) give, an adding block
+    included, within float32's bound of float64's; an index outside a's rows is a ValueError,
+    nothing written."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    M, N = shape
+    T = 50
+    blocks, start = [], 0
+    for e, n in [(1, 3), (0, 16), (3, 129), (1, 300)]:
+        blocks.append((e, start, start + n))
+        start += n
+    again = [False, False, False, True]
+    torch.manual_seed(31 + scaled)
+    a, b = torch.randn(T, M), torch.randn(start, N)
+    index = torch.randint(0, T, (start,))
+    scale = torch.rand(start) if scaled else None
+    out = torch.full((5, M, N), float("nan"))
+    out[1] = 0.0  # (expert 1's second block adds to its first)
+    gathered = out.clone()
+    rows = a[index] * scale[:, None] if scaled else a[index]
+    assert _small_gemm.float32_weight_grad_blocks(out, a, b, blocks, again, a_index=index, a_scale=scale) == [True] * 4
+    assert _small_gemm.float32_weight_grad_blocks(gathered, rows.contiguous(), b, blocks, again) == [True] * 4
+    assert torch.equal(out[[0, 1, 3]], gathered[[0, 1, 3]])
+    for e in (0, 1, 3):
+        pieces = [(first, stop) for x, first, stop in blocks if x == e]
+        exact = sum(rows[f:t].double().t() @ b[f:t].double() for f, t in pieces)
+        bound = sum(_bound(rows[f:t].double().abs().t(), b[f:t].double().abs(), t - f) for f, t in pieces)
+        assert ((out[e].double() - exact).abs() <= 2 * bound).all(), e
+    assert out[2].isnan().all() and out[4].isnan().all()
+    fresh = torch.full_like(out, 7.0)
+    bad = index.clone()
+    bad[20] = -1
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got -1 to \d+"):
+        _small_gemm.float32_weight_grad_blocks(fresh, a, b, blocks, again, a_index=bad, a_scale=scale)
+    assert bool((fresh == 7).all())
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (1024, 512), (72, 200)])
+def test_float32_input_grad_reads_g_by_index(monkeypatch, shape):
+    """float32 input gradients with `a_index` (AMD's AVX-512 CPUs, forced here): the blocks' g
+    rows are g[a_index[n]], copied by index into the chunks' contiguous rows (blocks of 1, 3,
+    6, 7, 100 and 300 rows: one row in place, the few-row tiles on a copy too), bit for bit
+    what the gathered rows give, within float32's bound of float64's; an index outside g's rows
+    is a ValueError, nothing written."""
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    O, I = shape
+    T, E = 60, 4
+    blocks, start = [], 0
+    for e, n in [(2, 1), (0, 3), (1, 6), (3, 7), (0, 100), (2, 300)]:
+        blocks.append((e, start, start + n))
+        start += n
+    torch.manual_seed(37)
+    g, w = torch.randn(T, O), torch.randn(E, O, I)
+    index = torch.randint(0, T, (start,))
+    out = torch.full((start, I), float("nan"))
+    assert _small_gemm.float32_input_grad_blocks(out, g, w, blocks, a_index=index)
+    gathered = torch.full_like(out, float("nan"))
+    assert _small_gemm.float32_input_grad_blocks(gathered, g[index].contiguous(), w, blocks)
+    assert torch.equal(out, gathered)
+    for e, first, stop in blocks:
+        rows = g[index[first:stop]].double()
+        bound = _bound(rows.abs(), w[e].double().abs(), O)
+        assert ((out[first:stop].double() - rows @ w[e].double()).abs() <= bound).all()
+    fresh = torch.full_like(out, 7.0)
+    bad = index.clone()
+    bad[-1] = T
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
+        _small_gemm.float32_input_grad_blocks(fresh, g, w, blocks, a_index=bad)
+    assert bool((fresh == 7).all())
+
+
 @pytest.mark.parametrize("amd, family", [(True, 25), (True, 26), (False, 6)])
 def test_bf16_weight_grad_row_range_by_cpu(monkeypatch, amd, family):
     """On Zen 4 (AMD's family 25, forced here) the bf16 weight-gradient kernel takes blocks of up
@@ -3087,6 +3165,26 @@ def test_layer_runs_the_avx512_kernels_and_matches_float64(monkeypatch):
     monkeypatch.setattr(_small_gemm, "float32_weight_grad_blocks", counted_weight_grad_blocks)
     _layer_against_float64(T=40)
     assert ran["linear"] >= 2 * 3 and ran["weight_grad"] >= 2 * 3  # both projections, (almost) every expert
+
+
+@pytest.mark.parametrize("T", [40, 200])
+def test_float32_layer_on_amd_avx512_gathers_no_rows(monkeypatch, T):
+    """Where the float32 kernels read the tokens' rows by index (AMD's AVX-512 CPUs, forced
+    here; blocks of ~20 / ~100 rows, top-2 of 4 experts, D = F = 128), the layer gathers no rows into
+    copies in its backward (x for w1's gradient, the output gradient for da = g·w2 and, weighted,
+    for w2's gradient), and none in its forward where its blocks are within
+    FLOAT32_FORWARD_INDEX_MAX_ROWS; output and gradients against the float64 loop."""
+    from moe_ffn import grouped
+
+    _needs_avx512_kernel()
+    monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
+    gathered = []
+    rows = grouped._rows
+    monkeypatch.setattr(grouped, "_rows", lambda src, token_N, *a: gathered.append(token_N is not None) or rows(src, token_N, *a))
+    torch.manual_seed(5)
+    # (D, F = 128: the input gradients' kernel takes 64 columns a thread)
+    _layer_against_float64(T=T, moe=MoE(dim=128, hidden_dim=128, num_experts=4, top_k=2))
+    assert sum(gathered) == (0 if T == 40 else 1)  # (T = 200: the forward's one gather of x, ~100-row blocks)
 
 
 def test_float32_forward_sends_its_small_blocks_in_one_call_and_the_rest_one_by_one(monkeypatch):
