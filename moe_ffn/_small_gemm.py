@@ -502,12 +502,21 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     if entry is None or not bf16_forward_blocks_fit(blocks, w_EOI.shape[0]):
         return None
     E, O, I = w_EOI.shape
-    rows = max(stop for _, _, stop in blocks)
     y = x.new_empty(index.shape[0], O) if out is None else out
     found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows(E))
     if found is None or not _writable_rows(y):
         return None
-    blocks = _pieces(blocks, BF16_FORWARD_MAX_ROWS)
+    return _forward_rows_call(
+        entry, x, w_EOI, y, _pieces(blocks, BF16_FORWARD_MAX_ROWS), index, (O, I, torch.get_num_threads(), *found[1])
+    )
+
+
+def _forward_rows_call(entry, x: Tensor, w_EOI: Tensor, y: Tensor, blocks: list, index: Tensor, after: tuple) -> Tensor:
+    """y's blocks by a forward entry point reading x's rows by index (the bf16 one or the
+    float32 one: the same arguments up to the sizes `after`), once the shapes fit (else a
+    ValueError naming them)."""
+    E, O, I = w_EOI.shape
+    rows = max(stop for _, _, stop in blocks)
     if x.shape[1] != I or y.shape[1] != O or index.shape[0] < rows or y.shape[0] < rows or min(b[1] for b in blocks) < 0:
         raise ValueError(
             f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
@@ -517,7 +526,7 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
         "linear_blocks", entry, blocks, index, rows, x.shape[0], E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}",
         (x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
          y.data_ptr(), y.stride(0)),
-        (O, I, torch.get_num_threads(), *found[1]),
+        after,
     )
     return y
 
@@ -549,24 +558,11 @@ def _float32_linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[T
     most = min(_avx512_forward_rows()[1], FLOAT32_FORWARD_INDEX_MAX_ROWS)
     if entry is None or not blocks or not _rows_fit(blocks, most):
         return None
-    E, O, I = w_EOI.shape
-    rows = max(stop for _, _, stop in blocks)
+    O, I = w_EOI.shape[1:]
     y = x.new_empty(index.shape[0], O) if out is None else out
-    if (
-        x.shape[1] != I or y.dim() != 2 or y.shape[1] != O or y.stride(1) != 1 or index.shape[0] < rows
-        or y.shape[0] < rows or min(b[1] for b in blocks) < 0
-    ):
-        raise ValueError(
-            f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
-            f"{tuple(y.shape)} do not fit blocks of {rows} rows"
-        )
-    _rows_call(
-        "linear_blocks", entry, blocks, index, rows, x.shape[0], E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}",
-        (x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
-         y.data_ptr(), y.stride(0)),
-        (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1]),
-    )
-    return y
+    if not _writable_rows(y):
+        return None
+    return _forward_rows_call(entry, x, w_EOI, y, blocks, index, (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1]))
 
 
 def _rows_call(

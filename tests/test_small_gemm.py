@@ -1642,6 +1642,15 @@ def test_bf16_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     assert bool((fresh == 7).all())
 
 
+def _blocks_in_turn(experts_rows: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
+    """(blocks, rows): blocks (e, start, stop) of the (expert, rows) pairs one after another."""
+    blocks, start = [], 0
+    for e, n in experts_rows:
+        blocks.append((e, start, start + n))
+        start += n
+    return blocks, start
+
+
 @pytest.mark.parametrize("shape", [(96, 1024), (1024, 512), (40, 200), (30, 33)])
 def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     """float32 weight gradients with `b_index` (AMD's AVX-512 CPUs, forced here): the blocks' b
@@ -1656,10 +1665,7 @@ def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
     M, N = shape
     T = 50
-    blocks, start = [], 0
-    for e, n in [(1, 3), (0, 16), (3, 129), (1, 300)]:
-        blocks.append((e, start, start + n))
-        start += n
+    blocks, start = _blocks_in_turn([(1, 3), (0, 16), (3, 129), (1, 300)])
     again = [False, False, False, True]
     torch.manual_seed(19)
     a, b = torch.randn(start, M), torch.randn(T, N)
@@ -1701,10 +1707,7 @@ def test_float32_weight_grad_reads_a_by_index_weighted(monkeypatch, shape, scale
     monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
     M, N = shape
     T = 50
-    blocks, start = [], 0
-    for e, n in [(1, 3), (0, 16), (3, 129), (1, 300)]:
-        blocks.append((e, start, start + n))
-        start += n
+    blocks, start = _blocks_in_turn([(1, 3), (0, 16), (3, 129), (1, 300)])
     again = [False, False, False, True]
     torch.manual_seed(31 + scaled)
     a, b = torch.randn(T, M), torch.randn(start, N)
