@@ -506,29 +506,37 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     found = _bf16_blocks_kernel((x,), y, blocks, most=bf16_forward_max_rows(E))
     if found is None or not _writable_rows(y):
         return None
-    return _forward_rows_call(
-        entry, x, w_EOI, y, _pieces(blocks, BF16_FORWARD_MAX_ROWS), index, (O, I, torch.get_num_threads(), *found[1])
+    return _product_rows_call(
+        "linear_blocks", entry, x, w_EOI, y, _pieces(blocks, BF16_FORWARD_MAX_ROWS), index, True,
+        (O, I, torch.get_num_threads(), *found[1]),
     )
 
 
-def _forward_rows_call(entry, x: Tensor, w_EOI: Tensor, y: Tensor, blocks: list, index: Tensor, after: tuple) -> Tensor:
-    """y's blocks by a forward entry point reading x's rows by index (the bf16 one or the
-    float32 one: the same arguments up to the sizes `after`), once the shapes fit (else a
-    ValueError naming them)."""
+def _product_rows_call(
+    name: str, entry, src: Tensor, w_EOI: Tensor, out: Tensor, blocks: list, index: Tensor, transposed: bool, after: tuple
+) -> Tensor:
+    """out's blocks by an entry point reading src's rows by index — the forwards' (bf16,
+    float32: src·wᵀ, transposed) or the float32 input gradients' (src·w): the same arguments
+    up to the sizes `after` — once the shapes fit (else a ValueError naming them)."""
     E, O, I = w_EOI.shape
+    inner, outer = (I, O) if transposed else (O, I)
     rows = max(stop for _, _, stop in blocks)
-    if x.shape[1] != I or y.shape[1] != O or index.shape[0] < rows or y.shape[0] < rows or min(b[1] for b in blocks) < 0:
+    src_name = f"{'x' if transposed else 'g'} {tuple(src.shape)}"
+    if (
+        src.shape[1] != inner or out.shape[1] != outer or index.shape[0] < rows or out.shape[0] < rows
+        or min(b[1] for b in blocks) < 0
+    ):
         raise ValueError(
-            f"linear_blocks: x {tuple(x.shape)} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
-            f"{tuple(y.shape)} do not fit blocks of {rows} rows"
+            f"{name}: {src_name} by index {tuple(index.shape)} through w {tuple(w_EOI.shape)} into "
+            f"{tuple(out.shape)} do not fit blocks of {rows} rows"
         )
     _rows_call(
-        "linear_blocks", entry, blocks, index, rows, x.shape[0], E, f"x {tuple(x.shape)}, w {tuple(w_EOI.shape)}",
-        (x.data_ptr(), x.stride(0), x.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0), w_EOI.stride(1),
-         y.data_ptr(), y.stride(0)),
+        name, entry, blocks, index, rows, src.shape[0], E, f"{src_name}, w {tuple(w_EOI.shape)}",
+        (src.data_ptr(), src.stride(0), src.shape[0], index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0),
+         w_EOI.stride(1), out.data_ptr(), out.stride(0)),
         after,
     )
-    return y
+    return out
 
 
 # The float32 forward reading its blocks' rows from the tokens' rows by index
@@ -562,7 +570,9 @@ def _float32_linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[T
     y = x.new_empty(index.shape[0], O) if out is None else out
     if not _writable_rows(y):
         return None
-    return _forward_rows_call(entry, x, w_EOI, y, blocks, index, (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1]))
+    return _product_rows_call(
+        "linear_blocks", entry, x, w_EOI, y, blocks, index, True, (O, I, avx512_forward_depth(), torch.get_num_threads(), *found[1])
+    )
 
 
 def _rows_call(
@@ -1575,18 +1585,9 @@ def _float32_input_grad_rows(out: Tensor, g: Tensor, w_EOI: Tensor, blocks: list
     )
     if entry is None:
         return False
-    E, O, I = w_EOI.shape
-    rows = max(stop for _, _, stop in blocks)
-    if g.shape[1] != O or out.shape[1] != I or out.shape[0] < rows or a_index.shape[0] < rows or min(b[1] for b in blocks) < 0:
-        raise ValueError(
-            f"float32_input_grad_blocks: g {tuple(g.shape)} by index {tuple(a_index.shape)} through w "
-            f"{tuple(w_EOI.shape)} into {tuple(out.shape)} do not fit blocks of {rows} rows"
-        )
-    _rows_call(
-        "float32_input_grad_blocks", entry, blocks, a_index, rows, g.shape[0], E, f"g {tuple(g.shape)}, w {tuple(w_EOI.shape)}",
-        (g.data_ptr(), g.stride(0), g.shape[0], a_index.data_ptr(), w_EOI.data_ptr(), E, w_EOI.stride(0),
-         w_EOI.stride(1), out.data_ptr(), out.stride(0)),
-        (O, I, torch.get_num_threads(), *openmp),
+    O, I = w_EOI.shape[1:]
+    _product_rows_call(
+        "float32_input_grad_blocks", entry, g, w_EOI, out, blocks, a_index, False, (O, I, torch.get_num_threads(), *openmp)
     )
     return True
 

@@ -1411,6 +1411,8 @@ def test_float32_forward_by_index_reads_the_tokens_rows(monkeypatch, shape, dept
     bad[4] = T
     with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
         _small_gemm.linear_blocks(x, w, blocks, out=fresh[:start], index=bad)
+    with pytest.raises(ValueError, match=r"linear_blocks: x \(40, \d+\) by index .* do not fit"):
+        _small_gemm.linear_blocks(x[:, 1:], w, blocks, out=fresh[:start], index=index)
     assert bool((fresh == 7).all())
 
 
@@ -1766,6 +1768,8 @@ def test_float32_input_grad_reads_g_by_index(monkeypatch, shape):
     bad[-1] = T
     with pytest.raises(ValueError, match=rf"must lie in \[0, {T}\), got \d+ to {T}"):
         _small_gemm.float32_input_grad_blocks(fresh, g, w, blocks, a_index=bad)
+    with pytest.raises(ValueError, match=r"float32_input_grad_blocks: g \(60, \d+\) by index .* do not fit"):
+        _small_gemm.float32_input_grad_blocks(fresh, g[:, 1:], w, blocks, a_index=index)
     assert bool((fresh == 7).all())
 
 
