@@ -586,9 +586,7 @@ def _rows_call(
     _check_blocks(name, blocks, rows, experts, shapes)
     table, address, count = _block_table(blocks, accumulate)
     if entry(*before, address, count, *after) != 0:
-        low, high = (int(v) for v in index[:rows].aminmax())
-        if low < 0 or high >= tokens:
-            raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")
+        _check_index(name, index, rows, tokens)
         raise RuntimeError(f"{name}: the kernel failed on {count} blocks (out of memory?)")
 
 
@@ -1727,6 +1725,7 @@ def _float32_weight_grad_rows(
 
 
 def _check_index(name: str, index: Tensor, rows: int, tokens: int) -> None:
+    """A ValueError naming the range of index[:rows] where it leaves [0, tokens)."""
     if rows:
         low, high = (int(v) for v in index[:rows].aminmax())
         if low < 0 or high >= tokens:

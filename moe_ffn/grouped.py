@@ -1513,7 +1513,8 @@ def _ffn_backward(
             routed and not with_bias and cdt == dtype == weight_N.dtype == torch.float32
             and not (need_w and _small_gemm.one_pass_here(w2_EDF, within))
         ) else None
-        g_gD = None if tokens_g is not None else _rows(grad_out, token_N, first, last).to(cdt)
+        gathered_g = lambda: _rows(grad_out, token_N, first, last).to(cdt)  # noqa: E731 (this group's)
+        g_gD = None if tokens_g is not None else gathered_g()
         # Decode-sized blocks: da = g·w2_e and w2's gradient (weighted g)ᵀ·a in one pass over w2
         # (_one_pass_gradients), a made from h first (as _hidden_backward makes it: the same
         # bits). Zen 4 EPYC, layer forward+backward against the two calls for w2 (weights out of
@@ -1529,7 +1530,7 @@ def _ffn_backward(
         if tokens_g is not None and _small_gemm.float32_input_grad_blocks(da_gF, grad_out, w2_EDF, within, a_index=tokens_g):
             x_done2 = [True] * len(group)
         else:
-            g_gD = _rows(grad_out, token_N, first, last).to(cdt) if g_gD is None else g_gD
+            g_gD = gathered_g() if g_gD is None else g_gD
             x_done2 = _merged(pair2, lambda rest: _input_grad_blocks(da_gF, g_gD, w2_EDF, [within[i] for i in rest]))
         for (e, start, stop), done in zip(group, x_done2):
             if not done:
@@ -1555,7 +1556,7 @@ def _ffn_backward(
         if need_w and not all(w2_done):
             if routed:  # the expert's output rows' gradient (in place on the group's gathered rows;
                 # made above already where w2's pair took the one-pass kernels)
-                g_gD = _rows(grad_out, token_N, first, last).to(cdt) if g_gD is None else g_gD
+                g_gD = gathered_g() if g_gD is None else g_gD
                 g_gD = gw_gD if gw_gD is not None else _round(g_gD.mul_(weight_N[first:last, None].to(cdt)), dtype)
             w2_done = _merged(pair2, lambda rest: _weight_grad_blocks(
                 grad_w2, g_gD, a_gF, [within[i] for i in rest], [again[i] for i in rest])) if not with_bias else none
