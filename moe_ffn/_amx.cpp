@@ -869,42 +869,11 @@ int weight_grad(const uint16_t* a, int64_t lda, const Rows& b, const Out& c, int
 
 // ---- SwiGLU's elementwise work in bf16 -----------------------------------------------------
 
-// A float32 result as a bf16 op leaves it: rounded to bf16 (to_bf16) and widened back.
-inline __m512 rounded(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
+}  // namespace
 
-// e^x for 16 floats: the steps of _small_gemm.cpp's exp8 on 16 lanes (the same values; +inf past
-// kExpMax, ln(FLT_MAX)).
-constexpr float kExpMax = 88.72283935546875f;
-inline __m512 exp16(__m512 x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMax), _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(kExpMax));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i k = _mm512_cvtps_epi32(n), half = _mm512_srai_epi32(k, 1);
-  const __m512i bits_a = _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(k, half), _mm512_set1_epi32(127)), 23);
-  const __m512i bits_b = _mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23);
-  __m512 e = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits_a)), _mm512_castsi512_ps(bits_b));
-  e = _mm512_mask_mov_ps(e, over, _mm512_set1_ps(__builtin_inff()));
-  return _mm512_mask_mov_ps(e, nan, _mm512_set1_ps(__builtin_nanf("")));
-}
+#include "_exp16.h"  // exp16, rounded, ExactRound, widened
+
+namespace {
 
 inline __m512 load16(const uint16_t* at, __mmask16 mask) {  // zeros past the mask
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
@@ -912,17 +881,6 @@ inline __m512 load16(const uint16_t* at, __mmask16 mask) {  // zeros past the ma
 inline void store16(uint16_t* at, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(at, mask, to_bf16(v)); }
 
 using Swiglu = moe_ffn_team::Swiglu<uint16_t>;
-
-// Rounding as torch's bf16 ops round, by to_bf16's integer steps: the rounded values' bf16 bits
-// (`bits`) and the same widened back to float32 (`rounded`).
-struct ExactRound {
-  static __m256i bits(__m512 v) { return to_bf16(v); }
-  static __m512 rounded(__m512 v) { return ::rounded(v); }
-};
-
-inline __m512 widened(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // silu's two parts for every bf16 gate value g (65536 of them), made once by the steps below
 // (exp16 and the divisions, in the default float environment): act = g / (1 + e^-g) rounded
@@ -941,6 +899,7 @@ struct GateTable {
 };
 
 const GateTable& gate_table();
+
 
 // Whether the float environment is the default one the table was made in (round to nearest,
 // no flushing of subnormal inputs or results): elsewhere the steps compute.
@@ -1094,12 +1053,9 @@ const GateTable& gate_table() {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16,avx512bf16")
 
-namespace {
+#include "_swiglu16.h"  // NativeRound, swiglu16
 
-struct NativeRound {  // (only on rows `ordinary_row` passes)
-  static __m256i bits(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-  static __m512 rounded(__m512 v) { return widened(bits(v)); }
-};
+namespace {
 
 template <bool kTable>
 __attribute__((flatten)) void swiglu_row_native(const Swiglu& p, int64_t r, int64_t ahead) {
@@ -1149,20 +1105,6 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16,avx512bf16")
 
 namespace {
-
-// a = silu(g)·u on 16 lanes of bf16 values g, u (widened), rounded as swiglu_step rounds (the
-// forward's part of it): NativeRound where every lane keeps its intermediates normal
-// (ordinary_row's bounds, 2^-24 ≤ |g| ≤ 16 and 2^-24 ≤ |u| ≤ 2^24, checked on these lanes;
-// NaN fails them), else ExactRound; the same bits either way.
-inline __m256i swiglu16(__m512 g, __m512 u) {
-  const __m512 ag = _mm512_abs_ps(g), au = _mm512_abs_ps(u), tiny = _mm512_set1_ps(0x1p-24f);
-  const __mmask16 ordinary = _mm512_cmp_ps_mask(ag, tiny, _CMP_GE_OQ) & _mm512_cmp_ps_mask(ag, _mm512_set1_ps(16.0f), _CMP_LE_OQ) &
-                             _mm512_cmp_ps_mask(au, tiny, _CMP_GE_OQ) & _mm512_cmp_ps_mask(au, _mm512_set1_ps(0x1p24f), _CMP_LE_OQ);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  if (ordinary == 0xFFFF) return NativeRound::bits(_mm512_mul_ps(NativeRound::rounded(act), u));
-  return ExactRound::bits(_mm512_mul_ps(ExactRound::rounded(act), u));
-}
 
 // Whether `linear_swiglu` takes a weight [2·features, in_features] (any rows from 1).
 bool linear_swiglu_fits(int64_t features, int64_t in_features) {

@@ -81,6 +81,7 @@ using WeightGrad = WeightGradOf<float, float, float>;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 #include "_bf16x16.h"  // to_bf16
+#include "_exp16.h"    // exp16, ExactRound, widened (SwiGLU in the bf16 forward)
 
 // Loops over a register tile's accumulators (and other loops of a few steps known when compiled)
 // are unrolled whole: then GCC keeps each accumulator in a register. Where it left such a loop
@@ -1270,6 +1271,8 @@ bool bf16_ready() {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
+#include "_swiglu16.h"  // swiglu16
+
 namespace {
 
 using LinearBf16 = LinearOf<bf16_t>;
@@ -1538,17 +1541,18 @@ void outer_rest(const uint32_t* tile, int64_t pairs, const bf16_t* w, int64_t ld
 
 // w's rows [o, o1) against the row tile of V groups from group g (`rows` rows of y from
 // g·kGroupRows): tiles of 24 / V rows of w, then one of the rest; each full tile prefetches the
-// next one's rows where they are the thread's (before `end`).
+// next one's rows where they are the thread's (before `end`), the one ending at `end` the rows
+// at `after` (at least 24 / V of them, ldw apart; or nothing).
 template <int V>
 void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int64_t o, int64_t o1, int64_t g,
-                 int64_t end) {
+                 int64_t end, const bf16_t* after) {
   constexpr int kCols = 24 / V;
   const uint32_t* tile = packed + g * pairs * kGroupRows;
   const int64_t rows = std::min(V * kGroupRows, p.rows - g * kGroupRows);
   bf16_t* y = p.y + g * kGroupRows * p.ldy;
   for (; o + kCols <= o1; o += kCols)
     outer_tile<V, kCols>(tile, pairs * kGroupRows, pairs, p.w + o * p.ldw, p.ldw, y + o, p.ldy, rows,
-                         o + 2 * kCols <= end ? p.w + (o + kCols) * p.ldw : nullptr);
+                         o + 2 * kCols <= end ? p.w + (o + kCols) * p.ldw : o + kCols == end ? after : nullptr);
   if (o < o1) outer_rest<V, kCols - 1>(tile, pairs, p.w + o * p.ldw, p.ldw, y + o, p.ldy, rows, o1 - o);
 }
 
@@ -1569,30 +1573,74 @@ constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 // its blocks take the dot tiles whole); forward+backward T = 256 fine 1.057×, Mixtral level.
 constexpr int64_t kDotTail = 8;
 
-bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
+// A block's rows of x as the outer products read them (packed groups, and a short tail's rows
+// for the dot-product tiles), made once per block by pack_block.
+struct PackedRows {
+  const uint32_t* packed = nullptr;
+  int64_t pairs = 0, groups = 0;
+  int64_t tail = 0;              // rows after the groups, on the dot tiles (0: none)
+  const bf16_t* tail_x = nullptr;  // their x, rows tail_ldx apart
+  int64_t tail_ldx = 0;
+};
+
+// p's rows packed into the thread's scratch, with `extra_bytes` of it left after them (64-byte
+// aligned, at *extra where asked); false where the scratch could not be had.
+bool pack_block(const LinearBf16& p, PackedRows* out, size_t extra_bytes = 0, void** extra = nullptr) {
   const int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
   const bool tail_on_dots = full >= 2 && tail > 0 && tail <= kDotTail;
   const int64_t pairs = p.in_features / 2;
   const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
   const int64_t packed_words = pairs * kGroupRows * groups;  // (then the tail's gathered rows, where p.index is)
   const int64_t tail_words = tail_on_dots && p.index ? (tail * p.in_features + 1) / 2 : 0;
-  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(sizeof(uint32_t) * (packed_words + tail_words)));
+  const size_t packed_bytes = (sizeof(uint32_t) * (packed_words + tail_words) + 63) / 64 * 64;
+  auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(packed_bytes + extra_bytes));
   if (packed == nullptr) return false;
   for (int64_t g = 0; g < groups; ++g)
     pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
   // the tail's rows, for the dot-product tiles
   const LinearBf16 rest =
       rows_of(p, full * kGroupRows, tail_on_dots ? tail : 0, reinterpret_cast<bf16_t*>(packed + packed_words));
-  for (int64_t o0 = first; o0 < last; o0 += kChunkCols) {
-    const int64_t o1 = std::min(last, o0 + kChunkCols);
-    const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1
-    int64_t g = 0;
-    for (; g < groups - 2 * twos; g += 3) outer_tiles<3>(packed, pairs, p, o0, o1, g, last);
-    for (; g < groups; g += 2) outer_tiles<2>(packed, pairs, p, o0, o1, g, last);
-    if (tail_on_dots) dot_range(rest, o0, o1);
-  }
+  *out = PackedRows{packed, pairs, groups, tail_on_dots ? tail : 0, rest.x, rest.ldx};
+  if (extra) *extra = reinterpret_cast<char*>(packed) + packed_bytes;
   return true;
 }
+
+// w's rows [o0, o1) for every row of the block (`rows` of p's x, p's w and y): every row tile
+// over them, the tail on the dot tiles; `end` and `after` as in outer_tiles.
+void outer_chunk(const PackedRows& rows, const LinearBf16& p, int64_t o0, int64_t o1, int64_t end,
+                 const bf16_t* after = nullptr) {
+  const int64_t groups = rows.groups;
+  const int64_t twos = (3 - groups % 3) % 3;  // tiles of 2 groups after those of 3: 0, 2 or 1
+  int64_t g = 0;
+  for (; g < groups - 2 * twos; g += 3) outer_tiles<3>(rows.packed, rows.pairs, p, o0, o1, g, end, after);
+  for (; g < groups; g += 2) outer_tiles<2>(rows.packed, rows.pairs, p, o0, o1, g, end, after);
+  if (rows.tail > 0) {
+    LinearBf16 rest = p;
+    rest.x = rows.tail_x;
+    rest.ldx = rows.tail_ldx;
+    rest.index = nullptr;
+    rest.rows = rows.tail;
+    rest.y = p.y + groups * kGroupRows * p.ldy;
+    dot_range(rest, o0, o1);
+  }
+}
+
+bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
+  PackedRows rows;
+  if (!pack_block(p, &rows)) return false;
+  for (int64_t o0 = first; o0 < last; o0 += kChunkCols) outer_chunk(rows, p, o0, std::min(last, o0 + kChunkCols), last);
+  return true;
+}
+
+// Blocks of up to kDotMaxRows rows take the dot-product tiles, larger ones (with an even I) the
+// outer products. 16 until the dot tiles shared the next strip's prefetches (dot_strip); then,
+// on the Zen 4 EPYC (2026-12-06, per product, weights out of the caches, 6 rounds, GFLOP/s on
+// the four benchmark shapes) the dot tiles beat the outer products at 17 rows 1.15-1.50x, 20
+// rows 1.18-1.51x, 24 rows 1.03-1.28x, and were mixed at 28 (0.86-1.22x) and behind at 32-40
+// (0.85-1.04x). Layer bf16 forward, against 16 (same process, 7 rounds): Mixtral T = 64 0.79x,
+// fine-grained T = 128 0.89x, T = 256 level. Not measured on Zen 5 or Intel's CPUs.
+constexpr int64_t kDotMaxRows = 24;
+static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
 // ---- bf16 input gradients y = g·w of blocks past a few rows ----------------------------------
 //
@@ -2320,19 +2368,84 @@ void one_row_gradients(const MatmulOf<float, T, T>& ig, const float* a, const T*
   }
 }
 
+// ---- SwiGLU's first projection with its activation (bf16) -----------------------------------
+//
+// h = x·w1ᵀ for w1 = gate | up [2F, I] (the gate's F rows first) and a = silu(h[:, :F])·h[:, F:]
+// in one pass over w1: the forward's tiles (dot_range, outer_chunk: the same sums, the same
+// bits of h) take a chunk of the gate's features and then the same features of up, and the
+// activation runs on those columns of h while they are still in L1 (swiglu16: a as
+// moe_ffn_amx_swiglu_bf16 rounds it from this h, bit for bit), where a pass of its own read
+// all of h back from memory. h is written where the caller keeps it (backward), else to the
+// thread's scratch, a chunk's columns at a time. The last tile over the gate's chunk prefetches
+// up's first rows, up's last the next chunk's gate rows (outer_tiles' `after`), so the tiles
+// stream w as the plain forward's do. Zen 4 EPYC (2026-12-07), layer bf16, with and without
+// (grouped._swiglu_forward_kernel) alternated in one process (pair ratios' medians, 4-15
+// rounds of 2-3 layers; the same bits): forward fine-grained T = 16 / 64 / 256 / 2048 0.998 /
+// 0.996 / 0.984-0.989 / 0.991×, Mixtral T = 64 / 256 / 2048 0.974 / 0.989 / 0.963×;
+// forward+backward level (fine T = 256 0.998-1.016×, T = 2048 1.018×, Mixtral T = 256 /
+// 2048 1.005 / 1.004×: h is written for the backward either way). The activation itself costs
+// what it saves there: ~0.4 ms of 64 experts' 32-row blocks (1024×1024, 11 ms), swiglu16's
+// steps or _amx.cpp's GateTable gathers alike (measured both), ~40 cycles a 16-lane step.
+constexpr int64_t kSwigluChunk = 48;  // features a chunk (a multiple of 24 / V, V = 2, 3; of 16)
+
+// a's rows [0, rows) and columns [0, n) from the columns of h's gate and up halves at `gate` and
+// `up` (rows ldh apart).
+void swiglu_rows(const bf16_t* gate, const bf16_t* up, int64_t ldh, bf16_t* a, int64_t lda, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t f = 0; f < n; f += 16) {
+      const __mmask16 lanes = n - f >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - f)) - 1);
+      const __m512 g = widened(_mm256_maskz_loadu_epi16(lanes, gate + r * ldh + f));
+      const __m512 u = widened(_mm256_maskz_loadu_epi16(lanes, up + r * ldh + f));
+      _mm256_mask_storeu_epi16(a + r * lda + f, lanes, swiglu16(g, u));
+    }
+}
+
+// Features [first, last) of one block: p's w is the expert's w1 (gate rows from 0, up rows from
+// `features`), p's y its rows of h (ldy apart; null: not kept), a [rows, features] (lda apart).
+bool swiglu_block(const LinearBf16& p, int64_t features, bf16_t* a, int64_t lda, int64_t first, int64_t last) {
+  const bool dots = p.rows <= kDotMaxRows || p.in_features % 2;
+  // where h is not kept: a chunk's columns of both halves in scratch, rows 2·chunk apart
+  const int64_t chunk = dots ? last - first : kSwigluChunk;
+  const size_t h_bytes = p.y ? 0 : sizeof(bf16_t) * p.rows * 2 * chunk;
+  LinearBf16 q = p;  // the block over one chunk's rows of w (from row 0) into its columns of h
+  PackedRows rows;
+  void* extra = nullptr;
+  if (dots) {
+    // (x's rows gathered first where p.index is: the dot tiles read rows at a stride)
+    const size_t x_bytes = p.index ? (sizeof(bf16_t) * p.rows * p.in_features + 63) / 64 * 64 : 0;
+    char* scratch = static_cast<char*>(moe_ffn_team::thread_scratch(x_bytes + h_bytes));
+    if (scratch == nullptr) return false;
+    q = rows_of(p, 0, p.rows, reinterpret_cast<bf16_t*>(scratch));
+    extra = scratch + x_bytes;
+  } else if (!pack_block(p, &rows, h_bytes, &extra)) {
+    return false;
+  }
+  bf16_t* h_chunk = static_cast<bf16_t*>(extra);
+  const int64_t ldh = p.y ? p.ldy : 2 * chunk;
+  q.ldy = ldh;
+  for (int64_t f0 = first; f0 < last; f0 += chunk) {
+    const int64_t n = std::min(chunk, last - f0);
+    bf16_t* gate = p.y ? p.y + f0 : h_chunk;
+    bf16_t* up = p.y ? p.y + features + f0 : h_chunk + chunk;
+    const bf16_t* gate_w = p.w + f0 * p.ldw;
+    const bf16_t* up_w = p.w + (features + f0) * p.ldw;
+    const bf16_t* next_w = f0 + n < last ? p.w + (f0 + n) * p.ldw : nullptr;  // the next chunk's gate rows
+    q.w = gate_w;
+    q.y = gate;
+    if (dots) dot_range(q, 0, n);
+    else outer_chunk(rows, q, 0, n, n, up_w);
+    q.w = up_w;
+    q.y = up;
+    if (dots) dot_range(q, 0, n);
+    else outer_chunk(rows, q, 0, n, n, next_w);
+    swiglu_rows(gate, up, ldh, a + f0, lda, p.rows, n);
+  }
+  return true;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
-
-// Blocks of up to kDotMaxRows rows take the dot-product tiles, larger ones (with an even I) the
-// outer products. 16 until the dot tiles shared the next strip's prefetches (dot_strip); then,
-// on the Zen 4 EPYC (2026-12-06, per product, weights out of the caches, 6 rounds, GFLOP/s on
-// the four benchmark shapes) the dot tiles beat the outer products at 17 rows 1.15-1.50x, 20
-// rows 1.18-1.51x, 24 rows 1.03-1.28x, and were mixed at 28 (0.86-1.22x) and behind at 32-40
-// (0.85-1.04x). Layer bf16 forward, against 16 (same process, 7 rounds): Mixtral T = 64 0.79x,
-// fine-grained T = 128 0.89x, T = 256 level. Not measured on Zen 5 or Intel's CPUs.
-constexpr int64_t kDotMaxRows = 24;
-static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
 // 1 where the bf16 forward below runs (AVX-512 F/BW/VL and AVX512_BF16, enabled by the OS).
 extern "C" int moe_ffn_avx512_bf16_ready() { return bf16_ready() ? 1 : 0; }
@@ -2396,6 +2509,31 @@ extern "C" int moe_ffn_avx512_linear_rows_bf16(const bf16_t* x, int64_t ldx, int
   if (!rows_within(blocks, count, index, tokens)) return -1;
   return linear_blocks_bf16(x, ldx, index, w, experts, w_expert, ldw, y, ldy, blocks, count, out_features,
                             in_features, threads, parallel, thread_num, num_threads);
+}
+
+// SwiGLU's first projection with its activation, block by block (swiglu_block):
+// h[start:stop] = x[start:stop]·w_eᵀ for w_e = gate | up [2F, I] (w + e·w_expert, rows ldw
+// apart; h [rows, 2F], ldh apart, or null: not written) and a[start:stop] = silu(gate)·up
+// [rows, F] (lda apart), with x's rows by index where `index` is given (row n of the blocks is
+// x's row index[n], x [tokens, I]; null: x's rows are the blocks'). The table as the bf16 entry
+// points above; -1 (nothing written) where the CPU lacks AVX512_BF16, an index lies outside
+// [0, tokens), or the table does not fit.
+extern "C" int moe_ffn_avx512_swiglu_forward_blocks_bf16(const bf16_t* x, int64_t ldx, int64_t tokens,
+                                                         const int64_t* index, const bf16_t* w, int64_t experts,
+                                                         int64_t w_expert, int64_t ldw, bf16_t* h, int64_t ldh,
+                                                         bf16_t* a, int64_t lda, const int64_t* blocks, int64_t count,
+                                                         int64_t features, int64_t in_features, int threads,
+                                                         void* parallel, void* thread_num, void* num_threads) {
+  if (!bf16_ready() || features < 1 || in_features < 1 || threads < 1 || a == nullptr) return -1;
+  if (index && !rows_within(blocks, count, index, tokens)) return -1;
+  return over_blocks(blocks, count, experts, features, kSwigluChunk, kSwigluChunk, threads, parallel, thread_num,
+                     num_threads,
+                     [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
+                       const LinearBf16 p{index ? x : x + start * ldx, ldx, w + e * w_expert, ldw,
+                                          h ? h + start * ldh : nullptr, ldh, stop - start, in_features,
+                                          index ? index + start : nullptr};
+                       return swiglu_block(p, features, a + start * lda, lda, first, last);
+                     }, /*whole=*/true);
 }
 
 extern "C" int moe_ffn_amx_swiglu_bf16(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t rows,

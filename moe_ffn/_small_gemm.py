@@ -512,6 +512,69 @@ def _linear_rows(x: Tensor, w_EOI: Tensor, blocks: list, out: Optional[Tensor], 
     )
 
 
+def _bf16_swiglu_forward_entry_point():  # (x, ldx, tokens, index, w, its strides, h, ldh, a, lda, blocks, sizes, team)
+    args = (
+        _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR,
+        _PTR, _PTR,
+    )
+    return _bf16_rows_entry_point("moe_ffn_avx512_swiglu_forward_blocks_bf16", args)
+
+
+def bf16_swiglu_forward_takes(w_EHI: Tensor, blocks: list[tuple[int, int, int]]) -> bool:
+    """Whether `bf16_swiglu_forward_blocks` takes these blocks through w_EHI = gate | up by
+    their shapes (its other conditions are the tensors' dtypes and layouts): an AVX512-BF16 CPU
+    without AMX, the blocks the bf16 forward takes (`bf16_forward_blocks_fit`)."""
+    return (
+        w_EHI.dim() == 3 and w_EHI.dtype == torch.bfloat16 and w_EHI.stride(2) == 1 and w_EHI.shape[1] % 2 == 0
+        and bf16_forward_blocks_fit(blocks, w_EHI.shape[0]) and _bf16_swiglu_forward_entry_point() is not None
+    )
+
+
+def bf16_swiglu_forward_blocks(
+    h: Optional[Tensor], a: Tensor, x: Tensor, w_EHI: Tensor, blocks: list[tuple[int, int, int]],
+    index: Optional[Tensor] = None,
+) -> bool:
+    """h[start:stop] = x[start:stop]·w_EHI[e]ᵀ and a[start:stop] = silu(gate)·up of it for every
+    block (w_EHI[e] = gate | up [2F, I]), in one call of the AVX512-BF16 forward
+    (moe_ffn_avx512_swiglu_forward_blocks_bf16): h bit for bit `linear_blocks`' (h None: not
+    written, a only) and a `_amx.swiglu`'s of that h; returns whether it ran (h and a untouched
+    otherwise): bf16 tensors, blocks that `bf16_swiglu_forward_takes`. With `index`, row n of
+    the blocks is x[index[n]] (as `linear_blocks`). ValueError where the shapes do not fit the
+    blocks or an index of the blocks' rows lies outside x."""
+    bf16 = torch.bfloat16
+    if not (
+        bf16_swiglu_forward_takes(w_EHI, blocks) and x.dtype == a.dtype == bf16 and x.dim() == a.dim() == 2
+        and x.stride(1) == 1 and _writable_rows(a) and (h is None or (h.dtype == bf16 and h.dim() == 2 and _writable_rows(h)))
+        and (index is None or (index.dtype == torch.int64 and index.dim() == 1 and index.is_contiguous() and index.device == x.device))
+    ):
+        return False
+    E, H, I = w_EHI.shape
+    found = _bf16_blocks_kernel((x,), a, blocks, most=bf16_forward_max_rows(E))
+    if found is None:
+        return False
+    name = "swiglu_forward_blocks"
+    rows = max(stop for _, _, stop in blocks)
+    tokens = x.shape[0]
+    if (
+        x.shape[1] != I or a.shape[1] != H // 2 or a.shape[0] < rows or (h is not None and (h.shape[1] != H or h.shape[0] < rows))
+        or (index is None and tokens < rows) or (index is not None and index.shape[0] < rows)
+    ):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)}{'' if index is None else f' by index {tuple(index.shape)}'} through w "
+            f"{tuple(w_EHI.shape)} into h {None if h is None else tuple(h.shape)} and a {tuple(a.shape)} do not fit "
+            f"blocks of {rows} rows"
+        )
+    _rows_call(
+        name, _bf16_swiglu_forward_entry_point(), _pieces(blocks, BF16_FORWARD_MAX_ROWS), index, rows, tokens, E,
+        f"x {tuple(x.shape)}, w {tuple(w_EHI.shape)}",
+        (x.data_ptr(), x.stride(0), tokens, None if index is None else index.data_ptr(), w_EHI.data_ptr(), E,
+         w_EHI.stride(0), w_EHI.stride(1), None if h is None else h.data_ptr(), 0 if h is None else h.stride(0),
+         a.data_ptr(), a.stride(0)),
+        (H // 2, I, torch.get_num_threads(), *found[1]),
+    )
+    return True
+
+
 def _product_rows_call(
     name: str, entry, src: Tensor, w_EOI: Tensor, out: Tensor, blocks: list, index: Tensor, transposed: bool, after: tuple
 ) -> Tensor:
@@ -1724,9 +1787,9 @@ def _float32_weight_grad_rows(
     return [True] * len(blocks)
 
 
-def _check_index(name: str, index: Tensor, rows: int, tokens: int) -> None:
-    """A ValueError naming the range of index[:rows] where it leaves [0, tokens)."""
-    if rows:
+def _check_index(name: str, index: Optional[Tensor], rows: int, tokens: int) -> None:
+    """A ValueError naming the range of index[:rows] where it leaves [0, tokens) (None: none)."""
+    if index is not None and rows:
         low, high = (int(v) for v in index[:rows].aminmax())
         if low < 0 or high >= tokens:
             raise ValueError(f"{name}: the blocks' row indices must lie in [0, {tokens}), got {low} to {high}")

@@ -1145,6 +1145,28 @@ def _forward_blocks(
             _linear_into(out[start:stop, part], x[start:stop], w_EOI[e, part], bias, cdt)
 
 
+def _swiglu_forward_kernel(w1_EHD: Tensor, blocks: list):
+    """The kernel that runs SwiGLU's activation inside the first projection of bf16 blocks
+    through w1_EHD = gate | up, called as (h or None, a, x, w1_EHD, blocks, index=): on AMX CPUs
+    the AMX product's (`_amx.swiglu_forward_blocks`, group by group where it takes them), on
+    AVX512-BF16 CPUs without AMX the dot-product forward's
+    (`_small_gemm.bf16_swiglu_forward_blocks`, where it takes every block); else None.
+    Zen 4 EPYC (no AMX), against the forward's product and `_hidden`'s pass after it: see
+    moe_ffn_avx512_swiglu_forward_blocks_bf16 and profiling/JOURNAL.md."""
+    if _amx.available():
+        return _amx.swiglu_forward_blocks
+    if _small_gemm.bf16_swiglu_forward_takes(w1_EHD, blocks):
+        return _small_gemm.bf16_swiglu_forward_blocks
+    return None
+
+
+def _swiglu_forward_takes(w1_EHD: Tensor, blocks: list) -> bool:
+    """Whether `_swiglu_forward_kernel`'s kernel takes every one of these blocks."""
+    if _amx.available():
+        return _amx.swiglu_forward_takes(w1_EHD, blocks)
+    return _small_gemm.bf16_swiglu_forward_takes(w1_EHD, blocks)
+
+
 def _gate_up_apart(w1_EHD: Tensor, gated: bool, cdt: torch.dtype) -> bool:
     """Whether a dense gated block's first projection, where it runs on torch's low-precision
     GEMM, is computed as the gate's product and the up projection's, each into its half of the
@@ -1192,19 +1214,20 @@ def _ffn_forward(
             x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks, out_dtype, keep_h
         )
         return (out if token_N is None else out.to(out_dtype)), h_NH
-    swiglu_in_product = (
-        gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
-        and _amx.available()
+    swiglu_forward = (
+        _swiglu_forward_kernel(w1_EHD, blocks)
+        if gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
+        else None
     )
-    # Where the first projection's activation runs in the AMX product for every block, a
+    # Where the first projection's activation runs in the product for every block, a
     # group's only temporary of its width is a [rows, F] (h_NH, kept for backward, is written
     # in place; in inference h is not written), so its groups are counted in F: twice the
-    # rows, the same memory. 2-core Xeon, A/B in one process (9–21 rounds), the same bits:
+    # rows, the same memory. 2-core Xeon (AMX), A/B in one process (9–21 rounds), the same bits:
     # bf16 forward fine-grained T = 2048 (one group, the one-call path) 1.098× (twice), T =
     # 4096 1.044×, T = 1024 / 8192 level, Mixtral T = 2048 1.018×; forward+backward
     # fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048 level; working memory at T = 2048
     # unchanged (fine-grained 100, Mixtral 91 MiB).
-    width = F_ if swiglu_in_product and _amx.swiglu_forward_takes(w1_EHD, blocks) else H
+    width = F_ if swiglu_forward is not None and _swiglu_forward_takes(w1_EHD, blocks) else H
     groups = _groups(blocks, width, split=False)
     most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
     if (
@@ -1259,11 +1282,11 @@ def _ffn_forward(
         # 8192 1.048 / 1.040×, Mixtral T = 2048 1.02×; forward+backward fine-grained T = 256 /
         # 2048 1.023 / 1.007× and 1.039× (two runs), Mixtral T = 256 / 2048 1.003 / 0.999×.
         x_src, token_g = (x, token_N[first:last]) if token_N is not None else (x[first:last], None)
-        # SwiGLU's activation in the first projection's product where the AMX kernel takes the
-        # group (`_amx.swiglu_forward_blocks`: the same h and a, bit for bit, a without a pass
-        # over h of its own, h not written at all in inference), else after it (`_hidden`)
-        a_gF = _memory.scratch(x, last - first, F_) if swiglu_in_product else None
-        if a_gF is not None and not _amx.swiglu_forward_blocks(
+        # SwiGLU's activation in the first projection's product where a kernel takes the group
+        # (`_swiglu_forward_kernel`: the same h and a, bit for bit, a without a pass over h of
+        # its own, h not written at all in inference), else after it (`_hidden`)
+        a_gF = _memory.scratch(x, last - first, F_) if swiglu_forward is not None else None
+        if a_gF is not None and not swiglu_forward(
             h_gH[: last - first] if keep_h else None, a_gF, x_src, w1_EHD, _within(group, first), index=token_g
         ):
             a_gF = None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moe_ffn.grouped as grouped
-from moe_ffn import _small_gemm
+from moe_ffn import MoE, _small_gemm
 from moe_ffn.grouped import grouped_ffn, grouped_linear, routed_ffn
 from reference import act
 
@@ -1029,11 +1029,11 @@ def test_routed_bf16_result_is_the_float32_sum_rounded_once_in_the_op(monkeypatc
 
 @pytest.mark.parametrize("T, K", [(40, 2), (300, 4)])
 def test_bf16_layer_reads_the_tokens_rows_by_index(monkeypatch, T, K):
-    """On AVX512-BF16 CPUs without AMX the routed bf16 layer's first projection and its weight
-    gradient read the tokens' rows by index (`_small_gemm.linear_blocks(..., index=)`,
-    `bf16_weight_grad_blocks(..., b_index=)`): no gathered copy of x is made for either, and the
-    output (inference and training) and every gradient are bit for bit what the gathered rows
-    give."""
+    """On AVX512-BF16 CPUs without AMX the routed bf16 layer's first projection (with SwiGLU's
+    activation in it, `bf16_swiglu_forward_blocks`) and its weight gradient read the tokens'
+    rows by index (`bf16_weight_grad_blocks(..., b_index=)`): no gathered copy of x is made for
+    either, and the output (inference and training) and every gradient are bit for bit what
+    the gathered rows give through the plain product and the activation's pass after it."""
     if _small_gemm._bf16_linear_rows_entry_point() is None or _small_gemm._bf16_weight_grad_rows_entry_point() is None:
         pytest.skip("no AVX512-BF16 kernels here (not an AVX512-BF16 CPU without AMX, or not built)")
     torch.manual_seed(T)
@@ -1061,6 +1061,7 @@ def test_bf16_layer_reads_the_tokens_rows_by_index(monkeypatch, T, K):
 
     by_index, results = run()
     monkeypatch.setattr(_small_gemm, "_bf16_linear_rows_entry_point", lambda: None)
+    monkeypatch.setattr(_small_gemm, "_bf16_swiglu_forward_entry_point", lambda: None)
     monkeypatch.setattr(_small_gemm, "_bf16_weight_grad_rows_entry_point", lambda: None)
     gathered, expected = run()
     # without: a gather of x in each forward (inference and training) and in the backward's
@@ -1068,3 +1069,39 @@ def test_bf16_layer_reads_the_tokens_rows_by_index(monkeypatch, T, K):
     assert by_index == 0 and gathered == (1 if T == 40 else 3)
     for a, b in zip(results, expected):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("T", [80, 300])
+def test_bf16_layer_forward_runs_swiglu_in_the_first_projection(monkeypatch, T):
+    """On AVX512-BF16 CPUs without AMX the bf16 SwiGLU layer's first projection forms a =
+    silu(gate)·up in its own pass over the weight (`_small_gemm.bf16_swiglu_forward_blocks`):
+    no `_hidden` pass after it, in inference and in training, and the output and every gradient
+    bit for bit what the plain product and `_hidden` give (blocks of ~20 and ~75 rows: the dot
+    tiles' and the outer products'; decode-sized steps take the one-call forward instead)."""
+    if _small_gemm._bf16_swiglu_forward_entry_point() is None:
+        pytest.skip("no AVX512-BF16 kernels here (not an AVX512-BF16 CPU without AMX, or not built)")
+    torch.manual_seed(T)
+    moe = MoE(dim=64, hidden_dim=96, num_experts=8, top_k=2).bfloat16()
+    x = torch.randn(T, 64).bfloat16()
+    fused, hidden = [], []
+    real_fused, real_hidden = _small_gemm.bf16_swiglu_forward_blocks, grouped._hidden
+    monkeypatch.setattr(_small_gemm, "bf16_swiglu_forward_blocks", lambda *a, **k: fused.append(1) or real_fused(*a, **k))
+    monkeypatch.setattr(grouped, "_hidden", lambda *a, **k: hidden.append(1) or real_hidden(*a, **k))
+
+    def run():
+        with torch.no_grad():
+            inference = moe(x)
+        xg = x.clone().requires_grad_()
+        for p in moe.parameters():
+            p.grad = None
+        y = moe(xg)
+        y.float().square().sum().backward()
+        return inference, y.detach(), xg.grad, *(p.grad for p in moe.parameters())
+
+    got = run()
+    assert len(fused) == 2 and hidden == []
+    monkeypatch.setattr(grouped, "_swiglu_forward_kernel", lambda *a: None)
+    want = run()
+    assert len(fused) == 2 and len(hidden) == 2
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -3604,3 +3604,147 @@ def test_topk_ids_are_a_stable_descending_sort(T, E, k, scores):
     assert _small_gemm.topk_ids(s, k) is None
     assert _small_gemm.topk_ids(s[:0], k) is not None and _small_gemm.topk_ids(s, E + 1) is None and _small_gemm.topk_ids(s, 0) is None
     assert _small_gemm.topk_ids(s.double(), k) is None
+
+
+def _nan_margins(rows: int, cols: int):
+    """(out, wide): out a bf16 [rows, cols] slice of `wide`, whose other columns hold NaN."""
+    wide = torch.full((rows, cols + 48), float("nan"), dtype=torch.bfloat16)
+    return wide[:, 16 : cols + 16], wide
+
+
+def _margins_untouched(wide: torch.Tensor, cols: int) -> bool:
+    return bool(wide[:, :16].isnan().all() and wide[:, cols + 16 :].isnan().all())
+
+
+# sizes: the dot tiles' blocks (1, 5, 24 rows), the outer products' (25, 32, 33 and 40 — a tail
+# of 1 and 8 rows on the dot tiles —, 48, 100), a block past BF16_FORWARD_MAX_ROWS (in pieces);
+# F: whole chunks of kSwigluChunk (48, 96), a part chunk (64, 100: a part vector too); I odd: all
+# on the dot tiles
+@pytest.mark.parametrize(
+    "F, I, sizes, gathered, keep_h",
+    [(48, 64, [1, 5, 24, 25], False, True), (64, 96, [33, 40, 100, 2], True, True), (100, 128, [32, 48, 7], True, False),
+     (96, 33, [3, 30, 64], False, True), (512, 1024, [31, 9, 40], True, True),
+     (32, 64, [_small_gemm.BF16_FORWARD_MAX_ROWS + 37], False, False)],
+)
+def test_bf16_swiglu_forward_blocks_are_the_product_then_the_activation(monkeypatch, F, I, sizes, gathered, keep_h):
+    """h and a of `bf16_swiglu_forward_blocks` (AVX512-BF16, no AMX) bit for bit `linear_blocks`'
+    h and `_amx.swiglu`'s a of that h, and a within torch's own bf16 silu(gate)·up of it (which
+    rounds silu's result too, where its exp may differ from ours in the last bit); on one thread
+    and on two; rows between the blocks and the columns beside them untouched."""
+    _needs_bf16_blocks()
+    monkeypatch.setattr(_small_gemm, "_vendor_is_amd", lambda: True)  # (Zen 4: blocks past the most rows in pieces)
+    monkeypatch.setattr(_small_gemm, "_cpu_family", lambda: 25)
+    torch.manual_seed(F + I)
+    E = 3
+    w = (torch.randn(E, 2 * F, I + 32) * 0.1).bfloat16()[:, :, 16 : I + 16]
+    blocks, start = [], 0
+    for i, n in enumerate(sizes):
+        blocks.append(((2 * i) % E, start, start + n))
+        start += n + 2  # (two rows between blocks)
+    N = start
+    x = torch.randn(N + 3 if not gathered else 40, I + 8).bfloat16()[1 : N + 1 if not gathered else 38, 4 : I + 4]  # (rows strided)
+    index = torch.randint(0, x.shape[0], (N,)) if gathered else None
+    rows = x[index] if gathered else x
+    h_want = torch.full((N, 2 * F), float("nan"), dtype=torch.bfloat16)
+    assert _small_gemm.linear_blocks(rows.contiguous(), w, blocks, out=h_want) is h_want
+    a_want = torch.full((N, F), float("nan"), dtype=torch.bfloat16)
+    for _, lo, hi in blocks:
+        a_want[lo:hi] = _amx.swiglu(h_want[lo:hi])
+        gate, up = h_want[lo:hi].chunk(2, dim=1)
+        torch_a = torch.nn.functional.silu(gate) * up
+        assert torch.allclose(a_want[lo:hi].float(), torch_a.float(), rtol=2**-7, atol=1e-30)
+    for threads in (1, 2):
+        h, h_wide = _nan_margins(N, 2 * F)
+        a, a_wide = _nan_margins(N, F)
+        assert _with_threads(
+            threads, lambda: _small_gemm.bf16_swiglu_forward_blocks(h if keep_h else None, a, x, w, blocks, index=index)
+        )
+        assert torch.equal(a.view(torch.int16), a_want.view(torch.int16)) and _margins_untouched(a_wide, F)
+        if keep_h:
+            assert torch.equal(h.view(torch.int16), h_want.view(torch.int16)) and _margins_untouched(h_wide, 2 * F)
+        else:
+            assert h_wide.isnan().all()
+
+
+def test_bf16_swiglu_forward_blocks_many_small_blocks_taken_whole():
+    """Blocks many and small enough for the threads to take whole ones each (the kernel's
+    whole_blocks: 16 and more blocks of at most 128 rows on average on two threads): the same h
+    and a as the product then `_amx.swiglu`, every expert's block on either thread."""
+    _needs_bf16_blocks()
+    torch.manual_seed(5)
+    E, F, I, T = 20, 64, 128, 90
+    w = (torch.randn(E, 2 * F, I) * 0.1).bfloat16()
+    sizes = [(7 * e) % 45 + 1 for e in range(E)]
+    blocks, rows = _blocks_in_turn([(e, n) for e, n in enumerate(sizes)])
+    x = torch.randn(T, I).bfloat16()
+    index = torch.randint(0, T, (rows,))
+    h_want = _small_gemm.linear_blocks(x, w, blocks, index=index)
+    h, a = torch.empty(rows, 2 * F, dtype=torch.bfloat16), torch.empty(rows, F, dtype=torch.bfloat16)
+    assert _with_threads(2, lambda: _small_gemm.bf16_swiglu_forward_blocks(h, a, x, w, blocks, index=index))
+    assert torch.equal(h.view(torch.int16), h_want.view(torch.int16))
+    assert torch.equal(a.view(torch.int16), _amx.swiglu(h_want).view(torch.int16))
+
+
+def test_bf16_swiglu_forward_blocks_round_the_screens_edges_and_nan_as_swiglu():
+    """Gates and ups at and just past swiglu16's native rounding screen (2^-24 … 16 and 2^-24 …
+    2^24), zeros, huge values, products act·up that are subnormal, a NaN row, through the dot
+    tiles (20 rows) and the outer products (40): h and a bit for bit `linear_blocks`' and
+    `_amx.swiglu`'s. h = x exactly (w the identity)."""
+    _needs_bf16_blocks()
+    F = 32
+    w = torch.eye(2 * F, dtype=torch.bfloat16).unsqueeze(0)
+    x = torch.randn(40, 2 * F).bfloat16()
+    edges = [2.0**-24, 2.0**-25, 16.0, 16.125, -16.0, -90.0, 0.0, -0.0, 3.0e38, -3.0e38, 2.0**24, 2.0**25, 1.0, -2.5]
+    for r in range(14):
+        x[r, r % F] = edges[r]  # a gate
+        x[r, F + (r * 7) % F] = edges[(r + 5) % len(edges)]  # an up
+    x[14, 5] = float("nan")
+    x[15, 3], x[15, F + 3] = 2.0**-110, 2.0**-20  # a = act·up subnormal (2^-131): kept by torch, flushed by the instruction
+    x[16, 9], x[16, F + 9] = -88.0, 2.0**-7
+    x[20:] = x[:20]
+    for blocks in ([(0, 0, 20)], [(0, 0, 40)]):
+        rows = blocks[0][2]
+        h_want = _small_gemm.linear_blocks(x[:rows], w, blocks)
+        assert torch.equal(h_want[:14], x[:14])  # (the identity: h holds the edges as they are)
+        h, a = torch.empty(rows, 2 * F, dtype=torch.bfloat16), torch.empty(rows, F, dtype=torch.bfloat16)
+        assert _small_gemm.bf16_swiglu_forward_blocks(h, a, x[:rows], w, blocks)
+        assert torch.equal(h.view(torch.int16), h_want.view(torch.int16))
+        assert torch.equal(a.view(torch.int16), _amx.swiglu(h_want).view(torch.int16))
+        assert a[14].isnan().all()
+        assert 0 < a[15, 3].float().abs() < 2.0**-126 and 0 < a[16, 9].float().abs() < 2.0**-126  # (the cases hold)
+
+
+def test_bf16_swiglu_forward_blocks_decline_or_refuse_what_they_do_not_take():
+    """A float32 operand, a block of no rows or past the forward's most rows, an odd 2F: False
+    with nothing written; x, h or a too narrow or short for the blocks, an expert outside w, an
+    index outside x's rows: ValueError naming them, nothing written."""
+    _needs_bf16_blocks()
+    bf16 = torch.bfloat16
+    E, F, I = 2, 32, 64
+    w = torch.randn(E, 2 * F, I).bfloat16()
+    x = torch.randn(40, I).bfloat16()
+    h, a = torch.full((40, 2 * F), 7.0, dtype=bf16), torch.full((40, F), 7.0, dtype=bf16)
+    most = _small_gemm.bf16_forward_max_rows(E)
+    declined = [
+        (h, a, x.float(), w, [(0, 0, 8)]),
+        (h, a.float(), x, w, [(0, 0, 8)]),
+        (h, a, x, w, [(0, 4, 4)]),
+        (h, a, x, w, [(0, 0, most + 1)]),
+        (h, a, x, torch.randn(E, 2 * F + 1, I).bfloat16(), [(0, 0, 8)]),
+    ]
+    for args in declined:
+        assert not _small_gemm.bf16_swiglu_forward_blocks(*args)
+    refused = [
+        ((h, a, x[:, :I - 2], w, [(0, 0, 8)]), r"x \(40, 62\)"),
+        ((h[:, :F], a, x, w, [(0, 0, 8)]), r"h \(40, 32\)"),
+        ((h, a[:, :8], x, w, [(0, 0, 8)]), r"a \(40, 8\)"),
+        ((h, a, x[:20], w, [(0, 10, 30)]), "blocks of 30 rows"),
+        ((h, a, x, w, [(2, 0, 8)]), "do not fit"),
+    ]
+    for args, message in refused:
+        with pytest.raises(ValueError, match=message):
+            _small_gemm.bf16_swiglu_forward_blocks(*args)
+    index = torch.tensor([0, 3, 40, 9])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 40\), got 0 to 40"):
+        _small_gemm.bf16_swiglu_forward_blocks(h, a, x, w, [(1, 0, 4)], index=index)
+    assert bool((h == 7).all() and (a == 7).all())
