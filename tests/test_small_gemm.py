@@ -3748,3 +3748,46 @@ def test_bf16_swiglu_forward_blocks_decline_or_refuse_what_they_do_not_take():
     with pytest.raises(ValueError, match=r"must lie in \[0, 40\), got 0 to 40"):
         _small_gemm.bf16_swiglu_forward_blocks(h, a, x, w, [(1, 0, 4)], index=index)
     assert bool((h == 7).all() and (a == 7).all())
+
+
+@pytest.mark.parametrize("rows", [8, 33])
+def test_bf16_packed_weight_grad_checks_nan_unless_every_sum_is_finite(rows):
+    """The packed-pairs weight gradient skips its NaN check only where its operands keep every
+    sum finite (the kernel's finite_sums): a negative NaN in a (unchecked, the rounding
+    instruction keeps its sign: 0xFFC0) and an infinity against the other sign's (x86's NaN,
+    0xFFC00000) come out as torch's bf16 NaN, 0x7FC0; finite operands whose products overflow
+    give ±inf or that NaN, never 0xFFC0 (how the products' instruction carries an overflow is
+    the CPU's); the other sums within one rounding of float64's. Operands just inside the
+    bound (m² · rows ≤ 2^120, m = 2^56) skip the check: every sum within one rounding of
+    float64's. Whole panels of 64 columns, tiles of 6 rows."""
+    _needs_bf16_blocks()
+    M, N = 12, 128
+    torch.manual_seed(rows)
+    base_a, base_b = torch.randn(rows, M).bfloat16(), torch.randn(rows, N).bfloat16()
+    for case in ("nan", "inf", "overflow"):
+        a, b = base_a.clone(), base_b.clone()
+        a[:4, :4], b[:4, :64] = 0.0, 0.0  # c's rows 0-3 by columns 0-63: the case alone
+        if case == "nan":
+            a[1, :4] = torch.tensor([0xFFC0 - 0x10000], dtype=torch.int16).view(torch.bfloat16)
+        elif case == "inf":
+            a[0, :4], a[2, :4] = float("inf"), float("inf")
+            b[0, :64], b[2, :64] = 1.0, -1.0
+        else:  # products 2^200 and −2^200 in turn (rows 0 and 2: two pair steps)
+            a[0, :4], a[2, :4] = 2.0**100, 2.0**100
+            b[0, :64], b[2, :64] = 2.0**100, -(2.0**100)
+        grads = torch.full((1, M, N), 7.0, dtype=torch.bfloat16)
+        assert _small_gemm.bf16_weight_grad_blocks(grads, a, b, [(0, 0, rows)], [False])
+        bits = grads[0].view(torch.int16).int() & 0xFFFF
+        case_bits = bits[:4, :64]
+        if case == "overflow":
+            assert bool(((case_bits == 0x7FC0) | (case_bits == 0x7F80) | (case_bits == 0xFF80)).all()), case_bits.unique()
+        else:
+            assert (case_bits == 0x7FC0).all(), case_bits.unique()
+        rest_a = a[:, 4:].double()  # (c's rows past the case's)
+        _bf16_within_one_rounding(grads[0][4:], rest_a.t() @ b.double(), _bound(rest_a.abs().t(), b.double().abs(), rows))
+    big, other = base_a.clone(), base_b.clone()
+    big[0, 0], other[0, 0] = -(2.0**56), 2.0**56
+    assert float(big.double().abs().max()) ** 2 * rows <= 2.0**120
+    grads = torch.full((1, M, N), 7.0, dtype=torch.bfloat16)
+    assert _small_gemm.bf16_weight_grad_blocks(grads, big, other, [(0, 0, rows)], [False])
+    _bf16_within_one_rounding(grads[0], big.double().t() @ other.double(), _bound(big.double().abs().t(), other.double().abs(), rows))
