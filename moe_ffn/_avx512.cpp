@@ -1454,7 +1454,12 @@ inline void store_rows8(const __m256i (&cols)[8], bf16_t* y, int64_t ldy, int64_
 // next (or nullptr): the next tile's COLS rows of w, prefetched line by line as this tile runs
 // (row j's line l at step 16·l + j): each tile reads its rows of w once, from memory where no
 // earlier row tile of the block has (per product, 32 rows: 507–764 → 650–826 GFLOP/s; level
-// from 256 rows, where every chunk of w passes through several row tiles from L2). Every loop
+// from 256 rows, where every chunk of w passes through several row tiles from L2). Into L2, not
+// L1: a whole tile ahead, the next tile's 24 KiB (I = 1024) beside this one's in a 32 KiB L1 had
+// pushed out lines of both. Zen 4 EPYC (2026-12-07), layer bf16, the two alternated in one
+// process (pair ratios' medians, 4–15 rounds, the same bits): forward fine-grained T = 256
+// 0.977–0.986×, T = 2048 0.992×, Mixtral T = 256 0.985×, T = 64 and fine T = 128 level (their
+// blocks mostly on the dot tiles); forward+backward fine T = 256 0.988×. Every loop
 // over the accumulators unrolls whole (no break on the rows: a test inside), so that GCC keeps
 // them in registers: with the rounding loop's early exit it kept them in a stack array, zeroed
 // before every tile and stored after it (61-64 stack accesses in outer_tile<3, 8> and <2, 12>).
@@ -1469,7 +1474,7 @@ void outer_tile(const uint32_t* packed, int64_t group_words, int64_t pairs, cons
     MOE_UNROLL for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
   for (int64_t q = 0; q < pairs; ++q) {
     if (next != nullptr && (q & 15) < COLS)
-      _mm_prefetch(reinterpret_cast<const char*>(next + (q & 15) * ldw + (q >> 4) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (q & 15) * ldw + (q >> 4) * 32), _MM_HINT_T1);
     __m512bh x_v[V];
     MOE_UNROLL for (int v = 0; v < V; ++v)
       x_v[v] = (__m512bh)_mm512_loadu_si512(packed + v * group_words + q * kGroupRows);
