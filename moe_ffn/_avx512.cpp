@@ -1647,6 +1647,9 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
 constexpr int64_t kDotMaxRows = 24;
 static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
+// Whether the block goes to the dot-product tiles (the outer products need an even I).
+inline bool on_dot_tiles(const LinearBf16& p) { return p.rows <= kDotMaxRows || p.in_features % 2; }
+
 // ---- bf16 input gradients y = g·w of blocks past a few rows ----------------------------------
 //
 // The sum runs over w's rows, so w is the operand that goes in pairs: kGradDepth rows of w over
@@ -2448,7 +2451,7 @@ void swiglu_rows(const bf16_t* gate, const bf16_t* up, int64_t ldh, bf16_t* a, i
 // Features [first, last) of one block: p's w is the expert's w1 (gate rows from 0, up rows from
 // `features`), p's y its rows of h (ldy apart; null: not kept), a [rows, features] (lda apart).
 bool swiglu_block(const LinearBf16& p, int64_t features, bf16_t* a, int64_t lda, int64_t first, int64_t last) {
-  const bool dots = p.rows <= kDotMaxRows || p.in_features % 2;
+  const bool dots = on_dot_tiles(p);
   // where h is not kept: a chunk's columns of both halves in scratch, rows 2·chunk apart
   const int64_t chunk = dots ? last - first : kSwigluChunk;
   const size_t h_bytes = p.y ? 0 : sizeof(bf16_t) * p.rows * 2 * chunk;
@@ -2520,7 +2523,7 @@ int linear_blocks_bf16(const bf16_t* x, int64_t ldx, const int64_t* index, const
                      [&](int64_t e, int64_t start, int64_t stop, int64_t first, int64_t last, int64_t) {
                        const LinearBf16 p{index ? x : x + start * ldx, ldx, w + e * w_expert, ldw, y + start * ldy,
                                           ldy, stop - start, in_features, index ? index + start : nullptr};
-                       if (p.rows <= kDotMaxRows || in_features % 2) {
+                       if (on_dot_tiles(p)) {
                          // (gathered first where p.index is: the dot tiles read rows at a stride)
                          void* rows_at = p.index ? moe_ffn_team::thread_scratch(2 * p.rows * in_features) : nullptr;
                          if (p.index && rows_at == nullptr) return false;

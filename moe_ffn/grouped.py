@@ -1145,26 +1145,19 @@ def _forward_blocks(
             _linear_into(out[start:stop, part], x[start:stop], w_EOI[e, part], bias, cdt)
 
 
-def _swiglu_forward_kernel(w1_EHD: Tensor, blocks: list):
-    """The kernel that runs SwiGLU's activation inside the first projection of bf16 blocks
-    through w1_EHD = gate | up, called as (h or None, a, x, w1_EHD, blocks, index=): on AMX CPUs
-    the AMX product's (`_amx.swiglu_forward_blocks`, group by group where it takes them), on
-    AVX512-BF16 CPUs without AMX the dot-product forward's
-    (`_small_gemm.bf16_swiglu_forward_blocks`, where it takes every block); else None.
+def _swiglu_forward_kernel(w1_EHD: Tensor, blocks: list) -> tuple[Optional[Callable], bool]:
+    """(kernel, whether it takes every block): the kernel that runs SwiGLU's activation inside
+    the first projection of bf16 blocks through w1_EHD = gate | up, called as (h or None, a, x,
+    w1_EHD, blocks, index=): on AMX CPUs the AMX product's (`_amx.swiglu_forward_blocks`, group
+    by group where it takes them), on AVX512-BF16 CPUs without AMX the dot-product forward's
+    (`_small_gemm.bf16_swiglu_forward_blocks`, only where it takes every block); else None.
     Zen 4 EPYC (no AMX), against the forward's product and `_hidden`'s pass after it: see
     moe_ffn_avx512_swiglu_forward_blocks_bf16 and profiling/JOURNAL.md."""
     if _amx.available():
-        return _amx.swiglu_forward_blocks
+        return _amx.swiglu_forward_blocks, _amx.swiglu_forward_takes(w1_EHD, blocks)
     if _small_gemm.bf16_swiglu_forward_takes(w1_EHD, blocks):
-        return _small_gemm.bf16_swiglu_forward_blocks
-    return None
-
-
-def _swiglu_forward_takes(w1_EHD: Tensor, blocks: list) -> bool:
-    """Whether `_swiglu_forward_kernel`'s kernel takes every one of these blocks."""
-    if _amx.available():
-        return _amx.swiglu_forward_takes(w1_EHD, blocks)
-    return _small_gemm.bf16_swiglu_forward_takes(w1_EHD, blocks)
+        return _small_gemm.bf16_swiglu_forward_blocks, True
+    return None, False
 
 
 def _gate_up_apart(w1_EHD: Tensor, gated: bool, cdt: torch.dtype) -> bool:
@@ -1214,10 +1207,10 @@ def _ffn_forward(
             x, w1_EHD, w2_EDF, token_N, weight_N, activation, gated, used, cdt, project, blocks, out_dtype, keep_h
         )
         return (out if token_N is None else out.to(out_dtype)), h_NH
-    swiglu_forward = (
+    swiglu_forward, swiglu_takes_all = (
         _swiglu_forward_kernel(w1_EHD, blocks)
         if gated and b1_EH is None and cdt == x.dtype == torch.bfloat16 and canonical_activation(activation) == "silu"
-        else None
+        else (None, False)
     )
     # Where the first projection's activation runs in the product for every block, a
     # group's only temporary of its width is a [rows, F] (h_NH, kept for backward, is written
@@ -1227,7 +1220,7 @@ def _ffn_forward(
     # 4096 1.044×, T = 1024 / 8192 level, Mixtral T = 2048 1.018×; forward+backward
     # fine-grained T = 2048 1.020 / 1.026×, Mixtral T = 2048 level; working memory at T = 2048
     # unchanged (fine-grained 100, Mixtral 91 MiB).
-    width = F_ if swiglu_forward is not None and _swiglu_forward_takes(w1_EHD, blocks) else H
+    width = F_ if swiglu_takes_all else H
     groups = _groups(blocks, width, split=False)
     most_rows = max((g[-1][2] - g[0][1] for g in groups), default=0)
     if (

@@ -1653,6 +1653,13 @@ def _blocks_in_turn(experts_rows: list[tuple[int, int]]) -> tuple[list[tuple[int
     return blocks, start
 
 
+def _blocks_one_adding() -> tuple[list[tuple[int, int, int]], int, list[bool]]:
+    """(blocks, rows, adds): blocks of 3 (under the panels' 16 steps), 16, 129 and 300 rows, the
+    last adding to its expert's (1) first block."""
+    blocks, start = _blocks_in_turn([(1, 3), (0, 16), (3, 129), (1, 300)])
+    return blocks, start, [False, False, False, True]
+
+
 @pytest.mark.parametrize("shape", [(96, 1024), (1024, 512), (40, 200), (30, 33)])
 def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     """float32 weight gradients with `b_index` (AMD's AVX-512 CPUs, forced here): the blocks' b
@@ -1667,8 +1674,7 @@ def test_float32_weight_grad_by_index_reads_the_tokens_rows(monkeypatch, shape):
     monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
     M, N = shape
     T = 50
-    blocks, start = _blocks_in_turn([(1, 3), (0, 16), (3, 129), (1, 300)])
-    again = [False, False, False, True]
+    blocks, start, again = _blocks_one_adding()
     torch.manual_seed(19)
     a, b = torch.randn(start, M), torch.randn(T, N)
     index = torch.randint(0, T, (start,))
@@ -1709,8 +1715,7 @@ def test_float32_weight_grad_reads_a_by_index_weighted(monkeypatch, shape, scale
     monkeypatch.setattr(_small_gemm, "sgemm_at_avx2_width", lambda: True)
     M, N = shape
     T = 50
-    blocks, start = _blocks_in_turn([(1, 3), (0, 16), (3, 129), (1, 300)])
-    again = [False, False, False, True]
+    blocks, start, again = _blocks_one_adding()
     torch.manual_seed(31 + scaled)
     a, b = torch.randn(T, M), torch.randn(start, N)
     index = torch.randint(0, T, (start,))
