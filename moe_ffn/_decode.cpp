@@ -13,7 +13,8 @@
 // The experts' part is the library's own one-call forward (moe_ffn_avx512_routed_swiglu_blocks_bf16
 // or moe_ffn_routed_swiglu_blocks_f32), given the blocks the layer's decode path gives it: the
 // same bits as that path for the same combine weights. bf16 logits are the router kernel's
-// (moe_ffn_avx512_router_logits_bf16: the router's own for a few bf16 tokens). float32 logits
+// (moe_ffn_avx512_router_logits_bf16: the router's own for a few bf16 tokens, on AVX512-BF16
+// CPUs the pair products' that it takes past them too). float32 logits
 // are sums in double, each rounded once to float32. The scores and the combine weights are
 // computed in double from the float32 logits and each rounded once to float32 (torch's float32
 // softmax and division round at every step: the two differ in the last bits of a weight).

@@ -1526,9 +1526,10 @@ def _router_operands(x_TD: Tensor, w_ED: Tensor) -> bool:
 def router_logits(x_TD: Tensor, w_ED: Tensor) -> Optional[Tensor]:
     """The router's float32 logits x·Wᵀ [T, E] of bf16 x [T, D] and W [E, D] on the calling
     thread (`moe_ffn_avx512_router_logits_bf16`): each product of two bf16 values exact in
-    float32, the sums float32's (fused multiply-adds in the kernel's order), no widened copies;
-    None where the kernel does not run (not bf16, rows not contiguous, no AVX-512 kernel, or
-    torch.compile tracing)."""
+    float32, the sums float32's in the kernel's order (on AVX512-BF16 CPUs, D even, the pair
+    products' of `router_logits_on_pairs`, the same bits as it gives on any team; else fused
+    multiply-adds), no widened copies; None where the kernel does not run (not bf16, rows not
+    contiguous, no AVX-512 kernel, or torch.compile tracing)."""
     if not _router_operands(x_TD, w_ED):
         return None
     T, E = x_TD.shape[0], w_ED.shape[0]
@@ -1558,6 +1559,37 @@ def router_backward(
         None if grad_x is None else grad_x.data_ptr(), D, None if grad_w is None else grad_w.data_ptr(), D, T, E, D,
     )
     return (grad_x, grad_w) if status == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _router_pairs_entry_point():
+    """moe_ffn_avx512_router_logits_pairs_bf16 where it runs (an AVX512-BF16 CPU, the library
+    built), else None."""
+    if _avx512_entry_points() is None:
+        return None
+    points = _ready_entry_points("moe_ffn_avx512_bf16_ready", "moe_ffn_avx512_router_logits_pairs_bf16")
+    if points is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    points[0].argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    return points[0]
+
+
+def router_logits_on_pairs(x_TD: Tensor, w_ED: Tensor) -> Optional[Tensor]:
+    """The router's float32 logits x·Wᵀ [T, E] of bf16 x [T, D] and W [E, D] on AVX512-BF16's
+    pair products (`moe_ffn_avx512_router_logits_pairs_bf16`): each pair of products exact, the
+    sums float32's in the kernel's order (subnormal inputs and results flushed to zero, as on
+    AMX's tiles), no widened copies, on torch's team; None where the kernel does not run (not
+    bf16, D odd, rows not contiguous, no AVX512-BF16, or torch.compile tracing)."""
+    entry = _router_pairs_entry_point() if _router_operands(x_TD, w_ED) else None
+    if entry is None or x_TD.shape[1] % 2 or w_ED.shape[0] == 0:
+        return None
+    (T, D), E = x_TD.shape, w_ED.shape[0]
+    openmp = torch_openmp()
+    logits_TE = x_TD.new_empty(T, E, dtype=torch.float32)
+    team = (torch.get_num_threads(), *openmp) if openmp is not None else (1, None, None, None)
+    status = entry(x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0), logits_TE.data_ptr(), E, T, E, D, *team)
+    return logits_TE if status == 0 else None
 
 
 @functools.lru_cache(maxsize=None)

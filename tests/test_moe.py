@@ -298,7 +298,7 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
-@pytest.mark.parametrize("route", ["sgemm", "onednn", "small", "amx"])
+@pytest.mark.parametrize("route", ["sgemm", "onednn", "small", "amx", "pairs"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, route):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
@@ -313,20 +313,26 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     float64 only); on AMX CPUs ("amx") the logits are the tiles' float32 sums of the exact
     products (`_amx.linear_float32`: no widened copy in the forward, its own order of the sums,
     so checked against float64 only), the gradients as "sgemm"'s, and elsewhere the AMX path is
-    switched off."""
+    switched off; on AVX512-BF16 CPUs without AMX ("pairs") the logits are the pair products'
+    float32 sums (`_small_gemm.router_logits_on_pairs`: no widened copy either, checked against
+    float64 only), the gradients as "sgemm"'s, and elsewhere that path is switched off."""
     from moe_ffn import router as router_module
 
-    onednn, amx = route == "onednn", route == "amx"
+    onednn, amx, pairs = route == "onednn", route == "amx", route == "pairs"
     if onednn and not router_module._small_gemm.onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
     if amx and not router_module._amx.available():
         pytest.skip("no AMX kernel here (not an AMX CPU, or the library not built)")
+    if pairs and router_module._small_gemm._router_pairs_entry_point() is None:
+        pytest.skip("no AVX512-BF16 router kernel here (CPU without AVX512-BF16, or the library not built)")
+    if not pairs:
+        monkeypatch.setattr(router_module._small_gemm, "router_logits_on_pairs", lambda x, w: None)
     if not amx:
         monkeypatch.setattr(router_module._amx, "linear_float32", lambda x, w: None)
         monkeypatch.setattr(router_module, "_tiles_backward", lambda *a: None)
     else:
         monkeypatch.setattr(router_module, "_TILES_BACKWARD_MIN_MACS", 0)
-    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route not in ("sgemm", "amx"))
+    monkeypatch.setattr(router_module._small_gemm, "sgemm_at_avx2_width", lambda: route not in ("sgemm", "amx", "pairs"))
     if onednn:
         monkeypatch.setattr(router_module, "_ONEDNN_MIN_MACS", 0)
     calls, kernel_runs = [], []
@@ -348,7 +354,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         routed = moe.router(x)
     bound = 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)
     assert ((routed.logits_TE.detach().double() - x64 @ w64.T).abs() <= bound).all()
-    assert calls == ([] if amx else [(300, 96)])
+    assert calls == ([] if amx or pairs else [(300, 96)])
     with torch.no_grad():
         again = moe.router(x).logits_TE
     assert torch.equal(again, routed.logits_TE.detach())
@@ -367,7 +373,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         assert ((x.grad.double() - g64 @ w64).abs() <= x_bound).all()
         sg = router_module._small_gemm
         kernel_here = sg._avx512_entry_points() is not None and sg._torch_on_avx512()
-        assert kernel_runs == ([] if route in ("sgemm", "amx") else [kernel_here])
+        assert kernel_runs == ([] if route in ("sgemm", "amx", "pairs") else [kernel_here])
         xf, wf = x.detach().float(), moe.router.weight.detach().float()
         if onednn:
             linear = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
@@ -378,8 +384,29 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
             if not any(kernel_runs) and not amx:
                 assert torch.equal(x.grad, want_x)
         if not amx:
-            assert torch.equal(plain.detach(), routed.logits_TE.detach())
+            if not pairs:  # (the pairs' logits: their own order of the sums, checked above)
+                assert torch.equal(plain.detach(), routed.logits_TE.detach())
             assert torch.equal(moe.router.weight.grad, want_w)
+
+
+def test_bf16_router_logits_on_pairs_do_not_depend_on_the_token_count():
+    """On AVX512-BF16 CPUs without AMX a bf16 token's logits are the same bits in a step of any
+    size (the few tokens' kernel and the team's pair products sum alike), with autograd and
+    without, so its routing does not change with the batch it came in."""
+    from moe_ffn import router as router_module
+
+    if router_module._amx.available() or router_module._small_gemm._router_pairs_entry_point() is None:
+        pytest.skip("no AVX512-BF16 router kernel here, or an AMX CPU (whose tiles make the logits)")
+    torch.manual_seed(11)
+    moe = MoE(dim=256, hidden_dim=64, num_experts=64, top_k=8).to(torch.bfloat16)
+    x = torch.randn(600, 256).bfloat16()
+    with torch.no_grad():
+        whole = moe.router(x).logits_TE
+    for part in (x[:1], x[:16], x[:17], x[:300]):
+        with torch.no_grad():
+            assert torch.equal(moe.router(part).logits_TE.view(torch.int32), whole[: part.shape[0]].view(torch.int32))
+    graded = moe.router(x[:40].requires_grad_()).logits_TE
+    assert torch.equal(graded.detach().view(torch.int32), whole[:40].view(torch.int32))
 
 
 @pytest.mark.parametrize("T", [1, 16, 17])

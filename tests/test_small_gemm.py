@@ -2628,6 +2628,47 @@ def test_router_kernel_sums_exact_products_in_float32(T, E, D):
     assert _small_gemm.router_logits(x.float(), w.float()) is None  # (float32: F.linear's own)
 
 
+@pytest.mark.parametrize("T, E, D", [(17, 64, 1024), (300, 8, 96), (33, 20, 64), (5, 130, 32), (2048, 64, 1024), (40, 1, 2)])
+def test_router_logits_on_pairs_sum_exact_products_in_float32(T, E, D):
+    """The router's logits of bf16 tokens past a few, on the pair products (router_logits_on_pairs):
+    within float32's rounding of the float64 products, as a new contiguous float32 [T, E]; tiles
+    of tokens past whole ones, experts not a multiple of 16 and past 64 (a second column chunk),
+    rows of a wider tensor; the same bits on one thread as on the team (each logit's sum the same
+    steps), and as the few tokens' `router_logits` gives them; a NaN in x reaching exactly its
+    token's row; subnormal inputs and products flushed to
+    zero (the instruction's, as on AMX's tiles); None for float32 operands, an odd D and columns
+    not contiguous."""
+    if _small_gemm._router_pairs_entry_point() is None:
+        pytest.skip("no AVX512-BF16 router kernel here (CPU without AVX512-BF16, or the library not built)")
+    torch.manual_seed(T * E + D)
+    x = torch.randn(T, D + 6).bfloat16()[:, 2 : D + 2]
+    w = (torch.randn(E, D) / D**0.5).bfloat16()
+    x64, w64 = x.double(), w.double()
+    logits = _small_gemm.router_logits_on_pairs(x, w)
+    assert logits is not None and logits.dtype == torch.float32 and logits.shape == (T, E) and logits.is_contiguous()
+    assert ((logits.double() - x64 @ w64.T).abs() <= (D + 2) * 2.0**-24 * (x64.abs() @ w64.abs().T)).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _small_gemm.router_logits_on_pairs(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone.view(torch.int32), logits.view(torch.int32))
+    few = _small_gemm.router_logits(x[:5], w)  # (the few tokens' entry point, one thread: the same sums)
+    assert torch.equal(few.view(torch.int32), logits[:5].view(torch.int32))
+    x[T // 2, D - 1] = float("nan")
+    nan = _small_gemm.router_logits_on_pairs(x, w)
+    assert nan[T // 2].isnan().all() and not nan[: T // 2].isnan().any() and not nan[T // 2 + 1 :].isnan().any()
+    tiny = torch.zeros(T, D, dtype=torch.bfloat16)
+    tiny[:, 0] = 1e-39  # subnormal in bf16
+    tiny[0, 1], w_tiny = 1e-20, torch.zeros(E, D, dtype=torch.bfloat16)
+    w_tiny[:, :2] = torch.tensor([1.0, 1e-20])  # 1e-20 · 1e-20: a subnormal product
+    assert not _small_gemm.router_logits_on_pairs(tiny, w_tiny).any()
+    assert _small_gemm.router_logits_on_pairs(x.float(), w.float()) is None
+    assert _small_gemm.router_logits_on_pairs(x[:, 1:], w[:, 1:]) is None  # D - 1: odd
+    assert _small_gemm.router_logits_on_pairs(x[:, ::2], w[:, ::2]) is None  # columns 2 apart
+
+
 def _backward_with_and_without_one_call(monkeypatch, moe, x, g):
     """(together, apart, ran): [y, x's gradient, each parameter's] of one forward+backward with
     routed_swiglu_backward_blocks as it is and one with it declining (grouped._ffn_backward's
