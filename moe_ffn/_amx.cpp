@@ -892,7 +892,8 @@ using Swiglu = moe_ffn_team::Swiglu<uint16_t>;
 // cycles a 16-lane step, Mixtral's 4096 × 3584 10.8 → 7.9 ms (then ~22 GB/s of h, da, a and
 // dh: at the memory's rate); layer bf16 forward+backward T = 2048 Mixtral 1.017×, fine-grained
 // level (4 rounds). The forward's activation beside the tile products (swiglu16) gained nothing
-// from it (level: it waits on the tiles) and computes as before.
+// from it (level: it waits on the tiles) and computes as before. Only where gathers pay
+// (gathers_pay: not on AMD's CPUs).
 struct GateTable {
   alignas(64) float act[65536];
   alignas(64) float s[65536];
@@ -904,6 +905,21 @@ const GateTable& gate_table();
 // Whether the float environment is the default one the table was made in (round to nearest,
 // no flushing of subnormal inputs or results): elsewhere the steps compute.
 inline bool default_float_environment() { return (_mm_getcsr() & 0xE040u) == 0; }
+
+// Whether the table's gathers beat the steps on this CPU: not on AMD's (CPUID's vendor
+// "AuthenticAMD"), where a 16-lane gather is several times slower than on Intel's cores. Zen 4
+// EPYC (2026-12-07), both ways alternated in one process, 2048 rows × 512 in cache: the
+// backward pass 1.515 → 1.127 ms, the forward 0.678 → 0.587 (one thread, 16.8 against 19.5 ns
+// a 16-lane step); layer bf16 forward+backward fine-grained T = 256 / 2048 0.995 / 0.996×,
+// Mixtral T = 256 0.991×, fine-grained T = 16 level. Not measured on Zen 5.
+inline bool gathers_pay() {
+  static const bool pay = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __get_cpuid(0, &a, &b, &c, &d);
+    return !(b == 0x68747541u && d == 0x69746E65u && c == 0x444D4163u);  // "Auth" "enti" "cAMD"
+  }();
+  return pay;
+}
 
 // Columns [f, f + 16) of row r (the lanes of `mask`), in float32, every intermediate that one
 // of torch's bf16 ops would store rounded where that op rounds it (grouped._hidden and
@@ -1082,7 +1098,7 @@ int swiglu(const Swiglu& p, int64_t rows, int threads, const Team& team) {
   on_team(team, count, [&](int64_t t, int64_t n) {
     int64_t first, last;
     share(rows, 1, t, n, &first, &last);
-    const bool native = avx512_bf16_ready(), table = default_float_environment();
+    const bool native = avx512_bf16_ready(), table = gathers_pay() && default_float_environment();
     if (table) gate_table();  // (made before the rows: see GateTable)
     for (int64_t r = first; r < last; ++r) {
       const int64_t ahead = moe_ffn_team::swiglu_row_ahead(p, r, last);

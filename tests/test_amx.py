@@ -574,7 +574,7 @@ def test_bf16_swiglu_kernels_round_nan_and_subnormals_as_torch_does():
 
 def test_bf16_swiglu_backward_at_every_gate_value():
     """The backward pass takes silu's parts of a bf16 gate from a table of all 65536 gate values
-    (_amx.cpp's GateTable): every one of them, NaNs and infinities included, against torch's bf16
+    (_amx.cpp's GateTable; on AMD's CPUs, whose gathers are slow, it computes them): every one of them, NaNs and infinities included, against torch's bf16
     ops: NaN where they give NaN, the same infinities and zeros, finite values within one bf16
     unit (the exponentials differ; on this data they agree bit for bit on an AVX-512 Xeon)."""
     _needs_swiglu()
