@@ -811,28 +811,46 @@ void router_logits_rows(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t l
   }
 }
 
-// out[i, :] = Σ_j g[i·gi + j·gj]·src[j, :] for i < rows, j < depth (bf16 src [depth, dim], rows
-// lds apart), each sum in j's order rounded to bf16 once into out (rows ldo apart): the router's
-// input gradient (i a token, j an expert: g·W) and its weight's (i an expert, j a token: gᵀ·x).
-void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src, int64_t lds, bf16_t* out,
-                      int64_t ldo, int64_t rows, int64_t depth, int64_t dim) {
-  constexpr int kVecs = 8;  // 128 columns at a time (the last ones masked)
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t c = 0; c < dim; c += 16 * kVecs) {
-      __mmask16 lanes[kVecs];
-      MOE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, dim - c - 16 * v));
-        lanes[v] = static_cast<__mmask16>((1u << n) - 1);
-      }
-      __m512 acc[kVecs];
-      MOE_UNROLL for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < depth; ++j) {
-        const __m512 gij = _mm512_set1_ps(g[i * gi + j * gj]);
-        MOE_UNROLL for (int v = 0; v < kVecs; ++v)
-          acc[v] = _mm512_fmadd_ps(gij, load16(src + j * lds + c + 16 * v, lanes[v]), acc[v]);
-      }
-      MOE_UNROLL for (int v = 0; v < kVecs; ++v) store16(out + i * ldo + c + 16 * v, acc[v], lanes[v]);
+// out[i, c] = Σ_j g[i·gi + j·gj]·src[j, c] for i < rows, j < depth and c in [c0, c1) (bf16 src
+// [depth, dim], rows lds apart), each sum in j's order rounded to bf16 once into out (rows ldo
+// apart): the router's input gradient (i a token, j an expert: g·W) and its weight's (i an
+// expert, j a token: gᵀ·x). Tiles of kRouterRows rows by 64 columns: each step j widens four
+// vectors of src's row once for all the tile's rows (one row at a time had widened them for
+// every row: 8 widenings to 8 multiply-adds).
+constexpr int kRouterRows = 6;
+
+void router_grad_tile(const float* g, int64_t gi, int64_t gj, const bf16_t* src, int64_t lds, bf16_t* out,
+                      int64_t ldo, int64_t rows, int64_t depth, int64_t c, const __mmask16 (&lanes)[4]) {
+  __m512 acc[kRouterRows][4];
+  MOE_UNROLL for (int r = 0; r < kRouterRows; ++r)
+    MOE_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* g_r[kRouterRows];  // (past `rows`: the last row's again, not stored)
+  MOE_UNROLL for (int r = 0; r < kRouterRows; ++r) g_r[r] = g + std::min<int64_t>(r, rows - 1) * gi;
+  for (int64_t j = 0; j < depth; ++j) {
+    __m512 s[4];
+    MOE_UNROLL for (int v = 0; v < 4; ++v) s[v] = load16(src + j * lds + c + 16 * v, lanes[v]);
+    MOE_UNROLL for (int r = 0; r < kRouterRows; ++r) {
+      const __m512 g_rj = _mm512_set1_ps(g_r[r][j * gj]);
+      MOE_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(g_rj, s[v], acc[r][v]);
     }
+  }
+  MOE_UNROLL for (int r = 0; r < kRouterRows; ++r) {
+    if (r >= rows) continue;
+    MOE_UNROLL for (int v = 0; v < 4; ++v) store16(out + r * ldo + c + 16 * v, acc[r][v], lanes[v]);
+  }
+}
+
+void router_grad_rows(const float* g, int64_t gi, int64_t gj, const bf16_t* src, int64_t lds, bf16_t* out,
+                      int64_t ldo, int64_t rows, int64_t depth, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += 64) {
+    __mmask16 lanes[4];
+    MOE_UNROLL for (int v = 0; v < 4; ++v) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, c1 - c - 16 * v));
+      lanes[v] = static_cast<__mmask16>((1u << n) - 1);
+    }
+    for (int64_t i = 0; i < rows; i += kRouterRows)
+      router_grad_tile(g + i * gi, gi, gj, src, lds, out + i * ldo, ldo, std::min<int64_t>(kRouterRows, rows - i),
+                       depth, c, lanes);
   }
 }
 
@@ -885,15 +903,23 @@ extern "C" int moe_ffn_avx512_router_logits_bf16(const bf16_t* x, int64_t ldx, c
 }
 
 // Their gradients from float32 g [tokens, experts] (rows ldg apart): grad_x = g·w [tokens, dim]
-// and grad_w = gᵀ·x [experts, dim], bf16 (router_grad_rows; a null one not made), on the
-// calling thread. Returns 0, or -1 where the CPU lacks AVX-512 (nothing written).
+// and grad_w = gᵀ·x [experts, dim], bf16 (router_grad_rows; a null one not made): the team's
+// threads split the columns (64 at a time; one thread below 2^22 multiply-adds), which changes
+// no sum. Returns 0, or -1 where the CPU lacks AVX-512 (nothing written).
 extern "C" int moe_ffn_avx512_router_backward_bf16(const float* g, int64_t ldg, const bf16_t* x, int64_t ldx,
                                                    const bf16_t* w, int64_t ldw, bf16_t* grad_x, int64_t ldgx,
                                                    bf16_t* grad_w, int64_t ldgw, int64_t tokens, int64_t experts,
-                                                   int64_t dim) {
-  if (!ready() || tokens < 0 || experts < 0 || dim < 0) return -1;
-  if (grad_x != nullptr) router_grad_rows(g, ldg, 1, w, ldw, grad_x, ldgx, tokens, experts, dim);
-  if (grad_w != nullptr) router_grad_rows(g, 1, ldg, x, ldx, grad_w, ldgw, experts, tokens, dim);
+                                                   int64_t dim, int threads, void* parallel, void* thread_num,
+                                                   void* num_threads) {
+  if (!ready() || tokens < 0 || experts < 0 || dim < 0 || threads < 1) return -1;
+  const int64_t team = tokens * experts * dim >= (int64_t{1} << 22) ? std::min<int64_t>(threads, (dim + 63) / 64) : 1;
+  on_team(make_team(parallel, thread_num, num_threads), team, [&](int64_t t, int64_t parts) {
+    int64_t first, last;
+    share(dim, 64, t, parts, &first, &last);
+    if (first >= last) return;
+    if (grad_x != nullptr) router_grad_rows(g, ldg, 1, w, ldw, grad_x, ldgx, tokens, experts, first, last);
+    if (grad_w != nullptr) router_grad_rows(g, 1, ldg, x, ldx, grad_w, ldgw, experts, tokens, first, last);
+  });
   return 0;
 }
 

@@ -310,6 +310,13 @@ def torch_openmp() -> Optional[tuple[int, int, int]]:
         return None
 
 
+def _team_or_one() -> tuple:
+    """A kernel's team arguments: torch's thread count and OpenMP entry points (`torch_openmp`),
+    or one thread where torch is not on a libgomp team."""
+    openmp = torch_openmp()
+    return (torch.get_num_threads(), *openmp) if openmp is not None else (1, None, None, None)
+
+
 def _rows_contiguous(t: Tensor) -> bool:
     return t.dim() == 2 and t.device.type == "cpu" and (t.stride(1) == 1 or t.shape[1] <= 1)
 
@@ -1510,7 +1517,7 @@ def _router_entry_points():
     logits, backward = points
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     logits.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
-    backward.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
+    backward.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
     return logits, backward
 
 
@@ -1557,6 +1564,7 @@ def router_backward(
     status = _router_entry_points()[1](
         g_TE.data_ptr(), g_TE.stride(0), x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0),
         None if grad_x is None else grad_x.data_ptr(), D, None if grad_w is None else grad_w.data_ptr(), D, T, E, D,
+        *_team_or_one(),
     )
     return (grad_x, grad_w) if status == 0 else None
 
@@ -1585,10 +1593,10 @@ def router_logits_on_pairs(x_TD: Tensor, w_ED: Tensor) -> Optional[Tensor]:
     if entry is None or x_TD.shape[1] % 2 or w_ED.shape[0] == 0:
         return None
     (T, D), E = x_TD.shape, w_ED.shape[0]
-    openmp = torch_openmp()
     logits_TE = x_TD.new_empty(T, E, dtype=torch.float32)
-    team = (torch.get_num_threads(), *openmp) if openmp is not None else (1, None, None, None)
-    status = entry(x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0), logits_TE.data_ptr(), E, T, E, D, *team)
+    status = entry(
+        x_TD.data_ptr(), x_TD.stride(0), w_ED.data_ptr(), w_ED.stride(0), logits_TE.data_ptr(), E, T, E, D, *_team_or_one()
+    )
     return logits_TE if status == 0 else None
 
 

@@ -298,7 +298,7 @@ def test_bf16_input_picks_the_float64_router_choice():
     assert torch.equal(ids[clear], ids64[clear])
 
 
-@pytest.mark.parametrize("route", ["sgemm", "onednn", "small", "amx", "pairs"])
+@pytest.mark.parametrize("route", ["sgemm", "onednn", "small", "amx", "pairs", "kernel"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, grad, route):
     """The router's float32 logits of bf16 tokens: each x·w sum, widened exactly, within one
@@ -315,18 +315,25 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
     so checked against float64 only), the gradients as "sgemm"'s, and elsewhere the AMX path is
     switched off; on AVX512-BF16 CPUs without AMX ("pairs") the logits are the pair products'
     float32 sums (`_small_gemm.router_logits_on_pairs`: no widened copy either, checked against
-    float64 only), the gradients as "sgemm"'s, and elsewhere that path is switched off."""
+    float64 only), the gradients as "sgemm"'s, and elsewhere that path is switched off; on AMD's
+    AVX-512 CPUs ("kernel", forced on where the kernel runs) the gradients are moe_ffn's kernel's
+    (`_small_gemm.router_backward`: no widened copies, their own order of the sums, so checked
+    against float64 only), and elsewhere it is switched off past a few tokens."""
     from moe_ffn import router as router_module
 
-    onednn, amx, pairs = route == "onednn", route == "amx", route == "pairs"
+    onednn, amx, pairs, kernel = route == "onednn", route == "amx", route == "pairs", route == "kernel"
     if onednn and not router_module._small_gemm.onednn_linear_available():
         pytest.skip("torch has no oneDNN inner product here")
     if amx and not router_module._amx.available():
         pytest.skip("no AMX kernel here (not an AMX CPU, or the library not built)")
     if pairs and router_module._small_gemm._router_pairs_entry_point() is None:
         pytest.skip("no AVX512-BF16 router kernel here (CPU without AVX512-BF16, or the library not built)")
+    if kernel and router_module._small_gemm._router_entry_points() is None:
+        pytest.skip("no AVX-512 router kernel here (CPU without AVX-512, or the library not built)")
     if not pairs:
         monkeypatch.setattr(router_module._small_gemm, "router_logits_on_pairs", lambda x, w: None)
+    if not kernel:
+        monkeypatch.setattr(router_module._small_gemm, "router_backward", lambda *a: None)
     if not amx:
         monkeypatch.setattr(router_module._amx, "linear_float32", lambda x, w: None)
         monkeypatch.setattr(router_module, "_tiles_backward", lambda *a: None)
@@ -364,7 +371,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         routed.logits_TE.backward(g)
         # backward: g·W's float32 result, x widened again; on the tiles neither (g in three bf16
         # parts: 3E-deep sums for x's gradient, three partial sums for W's)
-        assert calls == ([] if amx else [(300, 96), (300, 96)])
+        assert calls == ([] if amx or kernel else [(300, 96), (300, 96)])
         terms = 3 if amx else 1
         g64 = g.double()
         w_bound = (300 + 2) * terms * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * (g64.T @ x64).abs()
@@ -373,7 +380,7 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         assert ((x.grad.double() - g64 @ w64).abs() <= x_bound).all()
         sg = router_module._small_gemm
         kernel_here = sg._avx512_entry_points() is not None and sg._torch_on_avx512()
-        assert kernel_runs == ([] if route in ("sgemm", "amx", "pairs") else [kernel_here])
+        assert kernel_runs == ([] if route in ("sgemm", "amx", "pairs", "kernel") else [kernel_here])
         xf, wf = x.detach().float(), moe.router.weight.detach().float()
         if onednn:
             linear = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
@@ -381,9 +388,9 @@ def test_bf16_router_logits_are_the_float64_products_rounded_once(monkeypatch, g
         else:
             plain = torch.nn.functional.linear(x.float(), moe.router.weight.float())
             want_x, want_w = torch.autograd.grad(plain, (x, moe.router.weight), g)
-            if not any(kernel_runs) and not amx:
+            if not any(kernel_runs) and not (amx or kernel):
                 assert torch.equal(x.grad, want_x)
-        if not amx:
+        if not (amx or kernel):
             if not pairs:  # (the pairs' logits: their own order of the sums, checked above)
                 assert torch.equal(plain.detach(), routed.logits_TE.detach())
             assert torch.equal(moe.router.weight.grad, want_w)
@@ -414,7 +421,9 @@ def test_bf16_router_of_a_few_tokens_on_the_kernel(monkeypatch, T):
     """Up to router._FEW_TOKENS bf16 tokens the logits and both gradients come from moe_ffn's
     one-thread kernel (no widened copies on scratch memory), with and without autograd the
     same logits, each within float32's rounding of the float64 products (the gradients before
-    one bf16 rounding); past it the widened GEMMs (`test_bf16_router_logits_are_...`)."""
+    one bf16 rounding); past it the logits come from the pair products or the widened GEMMs,
+    and the gradients from the kernel on AMD's AVX-512 CPUs, else from the widened GEMMs
+    (`test_bf16_router_logits_are_...`)."""
     from moe_ffn import router as router_module
 
     if router_module._small_gemm._router_entry_points() is None:
@@ -435,7 +444,8 @@ def test_bf16_router_of_a_few_tokens_on_the_kernel(monkeypatch, T):
     assert torch.equal(again, routed.logits_TE.detach())
     g = torch.randn(T, 8)
     routed.logits_TE.backward(g)
-    assert runs == (["router_logits", "router_logits", "router_backward"] if few else [])
+    on_kernel = few or router_module._small_gemm.sgemm_at_avx2_width()  # (the gradients past a few tokens: AMD's)
+    assert runs == (["router_logits", "router_logits"] if few else []) + (["router_backward"] if on_kernel else [])
     x64, w64, g64 = x.detach().double(), moe.router.weight.detach().double(), g.double()
     assert ((routed.logits_TE.detach().double() - x64 @ w64.T).abs() <= 96 * 2.0**-24 * (x64.abs() @ w64.abs().T)).all()
     want_x, want_w = g64 @ w64, g64.T @ x64

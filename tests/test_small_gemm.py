@@ -2599,12 +2599,15 @@ def test_avx512_backward_blocks_writes_whole_gradients_and_declines_what_it_does
         call(g, x, h, w1, w2, token, weight, [(E + i, s, t) for i, (_, s, t) in enumerate(blocks)])
 
 
-@pytest.mark.parametrize("T, E, D", [(1, 64, 1024), (3, 7, 37), (16, 8, 1000), (2, 1, 64)])
+@pytest.mark.parametrize("T, E, D", [(1, 64, 1024), (3, 7, 37), (16, 8, 1000), (2, 1, 64), (300, 64, 1000), (2048, 8, 520)])
 def test_router_kernel_sums_exact_products_in_float32(T, E, D):
-    """The router's products of a few bf16 tokens on one thread (router_logits, router_backward):
-    the logits within float32's rounding of the float64 products, the gradients g·W and gᵀ·x
-    within it before one bf16 rounding; tails of D past whole vectors, rows of a wider tensor
-    (a row stride of their own), a NaN in g reaching exactly its token's row and its expert's."""
+    """The router's products of bf16 tokens (router_logits: a few tokens, on one thread;
+    router_backward: any number, on torch's team past 2^22 multiply-adds a product): the logits
+    within float32's rounding of the float64 products, the gradients g·W and gᵀ·x within it
+    before one bf16 rounding and the same bits on one thread as on the team (the threads split
+    the columns, no sum); tails of D past whole vectors and of the tiles' rows, rows of a wider
+    tensor (a row stride of their own), a NaN in g reaching exactly its token's row and its
+    expert's."""
     _needs_avx512_kernel()
     torch.manual_seed(T * E + D)
     x = torch.randn(T, D + 5).bfloat16()[:, 2 : D + 2]
@@ -2621,6 +2624,14 @@ def test_router_kernel_sums_exact_products_in_float32(T, E, D):
     assert ((grad_w.double() - want_w).abs() <= T * 2.0**-24 * (g64.abs().T @ x64.abs()) + 2.0**-8 * want_w.abs()).all()
     assert _small_gemm.router_backward(g, x, w, False, True)[0] is None
     assert torch.equal(_small_gemm.router_backward(g, x, w, False, True)[1].view(torch.int16), grad_w.view(torch.int16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _small_gemm.router_backward(g, x, w, True, True)
+    finally:
+        torch.set_num_threads(threads)
+    for one, team in zip(alone, (grad_x, grad_w)):
+        assert torch.equal(one.view(torch.int16), team.view(torch.int16))
     g[0, E - 1] = float("nan")
     grad_x, grad_w = _small_gemm.router_backward(g, x, w, True, True)
     assert grad_x[0].isnan().all() and not grad_x[1:].isnan().any()
