@@ -1679,8 +1679,17 @@ bool outer_range(const LinearBf16& p, int64_t first, int64_t last) {
 // the four benchmark shapes) the dot tiles beat the outer products at 17 rows 1.15-1.50x, 20
 // rows 1.18-1.51x, 24 rows 1.03-1.28x, and were mixed at 28 (0.86-1.22x) and behind at 32-40
 // (0.85-1.04x). Layer bf16 forward, against 16 (same process, 7 rounds): Mixtral T = 64 0.79x,
-// fine-grained T = 128 0.89x, T = 256 level. Not measured on Zen 5 or Intel's CPUs.
-constexpr int64_t kDotMaxRows = 24;
+// fine-grained T = 128 0.89x, T = 256 level. 24 until, after the outer products' later changes
+// (whole blocks claimed, their tiles' L2 prefetch), the Zen 4 EPYC (2026-12-07, per product,
+// 64 blocks alternated in one process, 5 rounds, GFLOP/s outer → dots) had the dot tiles ahead
+// from 25 to 29 rows in all four benchmark shapes: 1024×1024 (8 weights, in L3) 311–363 →
+// 389–400, 1024×512 (64 weights, from memory) 291–337 → 331–339, 7168×1024 314–364 → 382–395,
+// 1024×3584 317–368 → 393–413 (a block of 25–31 rows computes 32 on the outer products); at 30
+// and 31 rows 1024×512 fell behind (348 / 357 → 336), the others still gained (1.00–1.05x).
+// Layer bf16 forward, 24 → 29 (pair ratios, 9–15 rounds): fine-grained T = 192 0.952x, T = 256
+// 0.970x, Mixtral T = 128 0.972x; forward+backward fine-grained T = 256 0.990x; 29 → 31 level.
+// Not measured on Zen 5 or Intel's CPUs.
+constexpr int64_t kDotMaxRows = 29;
 static_assert(kDotMaxRows >= kGroupRows, "the outer products take blocks of two groups or more");
 
 // Whether the block goes to the dot-product tiles (the outer products need an even I).

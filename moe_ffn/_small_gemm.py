@@ -1974,7 +1974,8 @@ def _pieces(blocks: list[tuple[int, int, int]], most: int) -> list[tuple[int, in
 # 32-row tiles computed up to 31: 33 rows 310–437 → 370–557 GFLOP/s, 48 rows 426–606 → 519–776)
 # and each tile prefetches the next tile's rows of w (32 rows 507–764 → 650–826). Since the
 # dot-product tiles share out the next strip's prefetches among them (2026-12-06, Zen 4) they
-# take blocks of up to 24 rows (kDotMaxRows in _avx512.cpp, with the measurements).
+# take blocks of up to 24 rows, since the outer products' later changes (2026-12-07) up to 29
+# (kDotMaxRows in _avx512.cpp, with the measurements).
 BF16_FORWARD_MAX_ROWS = 1024
 _BF16_STREAM_ELEMENTS = 1 << 19
 # On the Zen 4 EPYC (family 25) the forward and, through weights of at most 1024 columns, the

@@ -1416,14 +1416,14 @@ def test_float32_forward_by_index_reads_the_tokens_rows(monkeypatch, shape, dept
     assert bool((fresh == 7).all())
 
 
-@pytest.mark.parametrize("rows", [5, 8, 13, 17, 24, 25])
-def test_bf16_forward_blocks_to_24_rows_sum_on_the_dot_product_tiles(rows):
-    """Blocks of up to 24 rows take the dot-product tiles: each of the 16 lanes sums every 16th
+@pytest.mark.parametrize("rows", [5, 8, 13, 17, 24, 29, 30])
+def test_bf16_forward_blocks_to_29_rows_sum_on_the_dot_product_tiles(rows):
+    """Blocks of up to 29 rows take the dot-product tiles: each of the 16 lanes sums every 16th
     pair of I, then the lanes are added. Hand-made sums tell them from the outer products'
-    single running sum (blocks past 24 rows): w's row holds 2^25 and -2^25 in lane 0's pairs 0
+    single running sum (blocks past 29 rows): w's row holds 2^25 and -2^25 in lane 0's pairs 0
     and 16, eight 1s in lanes 1-4's first pairs and a 1 in lane 4's pair 20, where x holds the
     row's index r. The lanes get 0, 2, 2, 2, 2 + r: 8 + r. A running sum loses each 1 to 2^25
-    (2^25 + 1 rounds back to it) and gets r: a block of 25 rows. Over strips of 6 of w's rows
+    (2^25 + 1 rounds back to it) and gets r: a block of 30 rows. Over strips of 6 of w's rows
     and a tail (O = 100), in tiles of 4 rows and a tail, the next strip's prefetches shared out
     among them; each row's bits as alone."""
     _needs_bf16_blocks()
@@ -1434,9 +1434,9 @@ def test_bf16_forward_blocks_to_24_rows_sum_on_the_dot_product_tiles(rows):
     w[1, :, 0], w[1, :, 32], w[1, :, 2:10], w[1, :, 40] = 2.0**25, -(2.0**25), 1.0, 1.0
     x, w = x.bfloat16(), w.bfloat16()
     block = _small_gemm.linear_blocks(x, w, [(1, 0, rows)])
-    expected = ((8.0 if rows <= 24 else 0.0) + torch.arange(rows, dtype=torch.float32))[:, None].expand(rows, O)
+    expected = ((8.0 if rows <= 29 else 0.0) + torch.arange(rows, dtype=torch.float32))[:, None].expand(rows, O)
     assert torch.equal(block.float(), expected)
-    if rows > 24:
+    if rows > 29:
         return
     torch.manual_seed(rows)
     w, x = torch.randn(2, O, I).bfloat16(), torch.randn(rows, I).bfloat16()
