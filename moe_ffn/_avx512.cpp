@@ -1603,16 +1603,26 @@ void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int
 // could not be had.
 constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
-// A last group of at most kDotTail rows after two full groups or more goes to the dot-product
-// tiles instead, chunk by chunk over the same rows of w (in L2 from the group tiles): as a group
-// of its own it cost a whole group's products for those few rows (65 rows computed 80). Per
-// product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9 rounds): 33 rows 591 →
-// 696 / 551 → 615, 49 rows 652 → 788 / 569 → 699, 65 rows 722 → 792 / 640 → 675, 36 and 68
-// rows 1.06–1.22×, 44 rows (a tail of 12, a group still) level. A tail of up to 12 gained at 9
-// (57 rows: 753 → 846 / 644 → 744) but lost at 12 (705 → 663 through 1024×512): 8 kept. Layer
-// forward (9 rounds) Mixtral T = 256 / 2048 1.028 / 1.015×, fine 1.065 / 1.015× (T = 64 level:
-// its blocks take the dot tiles whole); forward+backward T = 256 fine 1.057×, Mixtral level.
+// A last group of at most dot_tail_most(full) rows after `full` ≥ 2 full groups goes to the
+// dot-product tiles instead, chunk by chunk over the same rows of w (in L2 from the group
+// tiles): as a group of its own it cost a whole group's products for those few rows (65 rows
+// computed 80). Per product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9
+// rounds): 33 rows 591 → 696 / 551 → 615, 49 rows 652 → 788 / 569 → 699, 65 rows 722 → 792 /
+// 640 → 675, 36 and 68 rows 1.06–1.22×, 44 rows (a tail of 12, a group still) level. A tail of
+// up to 12 gained at 9 (57 rows: 753 → 846 / 644 → 744) but lost at 12 (705 → 663 through
+// 1024×512): 8 kept. Layer forward (9 rounds) Mixtral T = 256 / 2048 1.028 / 1.015×, fine 1.065
+// / 1.015× (T = 64 level: its blocks take the dot tiles whole); forward+backward T = 256 fine
+// 1.057×, Mixtral level. Then on the Zen 4 EPYC (2026-12-07, the later tiles; 64 blocks, 5
+// rounds, GFLOP/s group → dots, the four benchmark shapes) longer tails gained after 2 and 3
+// groups, where a group of its own makes tiles of 2 (2 + 2 for 4 groups) and the tail on the
+// dots leaves one tile of 3: 3 groups and a tail of 9–15 (57–63 rows) 328–398 → 377–429 in every
+// shape; 2 groups and 9–11 (41–43 rows) 323–384 → 339–405 (43 through 1024×512 level), 12 (44)
+// level or behind (1024×512 353 → 346); past 3 groups they lost from 12 (76 rows through
+// 1024×512 379 → 375, 95 rows 405 → 392; 73 rows, a tail of 9, gained: 363 → 376). Layer bf16,
+// 8 → these (pair ratios, 7–11 rounds): forward Mixtral T = 256 0.978×, fine-grained T = 448
+// 0.970×, T = 256 level; forward+backward Mixtral T = 256 0.988×.
 constexpr int64_t kDotTail = 8;
+inline int64_t dot_tail_most(int64_t full) { return full == 2 ? 11 : full == 3 ? 15 : kDotTail; }
 
 // A block's rows of x as the outer products read them (packed groups, and a short tail's rows
 // for the dot-product tiles), made once per block by pack_block.
@@ -1628,7 +1638,7 @@ struct PackedRows {
 // aligned, at *extra where asked); false where the scratch could not be had.
 bool pack_block(const LinearBf16& p, PackedRows* out, size_t extra_bytes = 0, void** extra = nullptr) {
   const int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
-  const bool tail_on_dots = full >= 2 && tail > 0 && tail <= kDotTail;
+  const bool tail_on_dots = full >= 2 && tail > 0 && tail <= dot_tail_most(full);
   const int64_t pairs = p.in_features / 2;
   const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
   const int64_t packed_words = pairs * kGroupRows * groups;  // (then the tail's gathered rows, where p.index is)

@@ -1261,18 +1261,23 @@ def test_bf16_forward_of_one_row_is_the_tiles_sum_bit_for_bit(shape):
 
 @pytest.mark.parametrize("shape", [(1, 2), (7, 50), (13, 100), (31, 40), (100, 78), (1040, 64), (40, 3584), (7, 33)])
 def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape):
-    """Blocks past 24 rows (an even I): outer products over packed groups of 16 rows, in
+    """Blocks past 29 rows (an even I): outer products over packed groups of 16 rows, in
     register tiles of 3 groups and of 2 by 8 or 12 of w's rows and their tails, w's rows 48 at
     a time; blocks of 17 (the dot-product tiles, in tiles of 4 rows and a tail of 1), 33, 70,
-    64, 100 and 44 rows: 2 groups + a tail of 1 on the dot-product tiles, 2 + 2 + 6 on them,
-    2 + 2, 3 + 3 + 4 on them, 3 (a tail of 12 is a group of its own); an odd I (7, 33): the
-    dot-product tiles. Into a slice of a wider tensor, rows between blocks untouched."""
+    64, 100, 44, 43, 60 and 79 rows: 2 groups + a tail of 1 on the dot-product tiles, 2 + 2 + 6
+    on them, 2 + 2, 3 + 3 + 4 on them, 3 (after 2 groups a tail of 12 is a group of its own),
+    2 + 11 on them, 3 + 12 on them (after 3 groups any tail), 3 + 2 (after 4, a tail of 15);
+    an odd I (7, 33): the dot-product tiles. Into a slice of a wider tensor, rows between
+    blocks untouched."""
     _needs_bf16_blocks()
     O, I = shape
-    blocks = [(1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 185), (0, 185, 285), (2, 285, 329)]
+    blocks = [
+        (1, 0, 17), (0, 17, 50), (2, 51, 121), (1, 121, 185), (0, 185, 285), (2, 285, 329), (1, 329, 372),
+        (0, 372, 432), (2, 432, 511),
+    ]
     torch.manual_seed(3)
-    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(329, I).bfloat16()
-    wide = torch.full((329, O + 5), float("nan"), dtype=torch.bfloat16)
+    w, x = torch.randn(3, O, I).bfloat16(), torch.randn(511, I).bfloat16()
+    wide = torch.full((511, O + 5), float("nan"), dtype=torch.bfloat16)
     out = wide[:, 1 : O + 1]
     assert _small_gemm.linear_blocks(x, w, blocks, out=out) is out
     for e, start, stop in blocks:
@@ -1286,7 +1291,7 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
 def test_bf16_forward_by_index_reads_the_tokens_rows(shape):
     """With `index` the blocks' rows are x[index[n]], read by the kernel as it packs them (the
     dot-product tiles' rows gathered first): blocks of 1 to BF16_FORWARD_MAX_ROWS rows (the dot
-    tiles to 24, groups of 16 with a tail on the dot tiles at 33 and 41, 48 with none, 1024;
+    tiles to 29, groups of 16 with a tail on the dot tiles at 33 and 41, 48 with none, 1024;
     an odd I: the dot tiles at every size), tokens repeated and out of order, into a slice of a
     wider tensor: each block within one rounding of float64's product of the tokens' rows, bit
     for bit what the blocks make from a gathered copy, rows outside the blocks untouched."""
@@ -3673,14 +3678,14 @@ def _margins_untouched(wide: torch.Tensor, cols: int) -> bool:
     return bool(wide[:, :16].isnan().all() and wide[:, cols + 16 :].isnan().all())
 
 
-# sizes: the dot tiles' blocks (1, 5, 24 rows), the outer products' (25, 32, 33 and 40 — a tail
-# of 1 and 8 rows on the dot tiles —, 48, 100), a block past BF16_FORWARD_MAX_ROWS (in pieces);
+# sizes: the dot tiles' blocks (1, 5, 24, 25 rows), the outer products' (30, 31, 32, 33 and 40 —
+# a tail of 1 and 8 rows on the dot tiles —, 48, 64, 100), a block past BF16_FORWARD_MAX_ROWS (in pieces);
 # F: whole chunks of kSwigluChunk (48, 96), a part chunk (64, 100: a part vector too); I odd: all
 # on the dot tiles
 @pytest.mark.parametrize(
     "F, I, sizes, gathered, keep_h",
     [(48, 64, [1, 5, 24, 25], False, True), (64, 96, [33, 40, 100, 2], True, True), (100, 128, [32, 48, 7], True, False),
-     (96, 33, [3, 30, 64], False, True), (512, 1024, [31, 9, 40], True, True),
+     (96, 33, [3, 30, 64], False, True), (512, 1024, [31, 9, 40, 30], True, True),
      (32, 64, [_small_gemm.BF16_FORWARD_MAX_ROWS + 37], False, False)],
 )
 def test_bf16_swiglu_forward_blocks_are_the_product_then_the_activation(monkeypatch, F, I, sizes, gathered, keep_h):
