@@ -1603,7 +1603,7 @@ void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int
 // could not be had.
 constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
-// A last group of at most dot_tail_most(full) rows after `full` ≥ 2 full groups goes to the
+// A last part of at most dot_tail_most(full) rows after `full` ≥ 2 full groups goes to the
 // dot-product tiles instead, chunk by chunk over the same rows of w (in L2 from the group
 // tiles): as a group of its own it cost a whole group's products for those few rows (65 rows
 // computed 80). Per product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9
@@ -1620,9 +1620,12 @@ constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 // level or behind (1024×512 353 → 346); past 3 groups they lost from 12 (76 rows through
 // 1024×512 379 → 375, 95 rows 405 → 392; 73 rows, a tail of 9, gained: 363 → 376). Layer bf16,
 // 8 → these (pair ratios, 7–11 rounds): forward Mixtral T = 256 0.978×, fine-grained T = 448
-// 0.970×, T = 256 level; forward+backward Mixtral T = 256 0.988×.
+// 0.970×, T = 256 level; forward+backward Mixtral T = 256 0.988×. Likewise 4 groups and a tail
+// of up to 8 (64–72 rows, tiles of 2 + 2) go as 3 groups (one tile of 3) and 16–24 rows on the
+// dots: 371–411 → 385–431 GFLOP/s in every shape (64 rows 1.02–1.06×); layer bf16 forward
+// Mixtral T = 256 0.985×, fine-grained T = 512 0.982×, forward+backward Mixtral T = 256 0.991×.
 constexpr int64_t kDotTail = 8;
-inline int64_t dot_tail_most(int64_t full) { return full == 2 ? 11 : full == 3 ? 15 : kDotTail; }
+inline int64_t dot_tail_most(int64_t full) { return full == 2 ? 11 : full == 3 ? 16 + kDotTail : kDotTail; }
 
 // A block's rows of x as the outer products read them (packed groups, and a short tail's rows
 // for the dot-product tiles), made once per block by pack_block.
@@ -1637,7 +1640,8 @@ struct PackedRows {
 // p's rows packed into the thread's scratch, with `extra_bytes` of it left after them (64-byte
 // aligned, at *extra where asked); false where the scratch could not be had.
 bool pack_block(const LinearBf16& p, PackedRows* out, size_t extra_bytes = 0, void** extra = nullptr) {
-  const int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
+  int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
+  if (full == 4 && tail <= kDotTail) full = 3, tail += kGroupRows;  // (see dot_tail_most)
   const bool tail_on_dots = full >= 2 && tail > 0 && tail <= dot_tail_most(full);
   const int64_t pairs = p.in_features / 2;
   const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;

@@ -1264,9 +1264,10 @@ def test_bf16_forward_of_larger_blocks_is_each_blocks_product_rounded_once(shape
     """Blocks past 29 rows (an even I): outer products over packed groups of 16 rows, in
     register tiles of 3 groups and of 2 by 8 or 12 of w's rows and their tails, w's rows 48 at
     a time; blocks of 17 (the dot-product tiles, in tiles of 4 rows and a tail of 1), 33, 70,
-    64, 100, 44, 43, 60 and 79 rows: 2 groups + a tail of 1 on the dot-product tiles, 2 + 2 + 6
-    on them, 2 + 2, 3 + 3 + 4 on them, 3 (after 2 groups a tail of 12 is a group of its own),
-    2 + 11 on them, 3 + 12 on them (after 3 groups any tail), 3 + 2 (after 4, a tail of 15);
+    64, 100, 44, 43, 60 and 79 rows: 2 groups + a tail of 1 on the dot-product tiles, 3 + 22
+    on them and 3 + 16 (4 groups and up to 8 go as 3 and the rest), 3 + 3 + 4 on them, 3
+    (after 2 groups a tail of 12 is a group of its own), 2 + 11 on them, 3 + 12 on them (after
+    3 groups any tail), 3 + 2 (after 4, a tail of 15);
     an odd I (7, 33): the dot-product tiles. Into a slice of a wider tensor, rows between
     blocks untouched."""
     _needs_bf16_blocks()
