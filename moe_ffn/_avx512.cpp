@@ -1187,7 +1187,7 @@ bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts) {
 }
 
 // Whether the threads take whole blocks each (whole_blocks) rather than a share of every block:
-// many blocks of few rows. Then each block's weight is read by one thread, in order, where each
+// many blocks (first bounded to few rows each, see below). Then each block's weight is read by one thread, in order, where each
 // thread had read its part of every weight (its rows of w, or for the input gradients its
 // columns: part of every row, a stride apart), and each block's rows are packed once, where
 // both threads had packed them. Zen 4 EPYC (2026-12-07), layer bf16, the two ways alternated
@@ -1198,16 +1198,15 @@ bool blocks_fit(const int64_t* blocks, int64_t count, int64_t experts) {
 // behind where they are few (Mixtral's 8 at T = 256: forward+backward 1.021×), hence the bounds.
 // The builds alternated likewise: fine-grained T = 256 forward 0.960×, forward+backward 0.961×,
 // T = 64 0.989 / 0.967×; T = 1 and 16 level; Mixtral level (its blocks are not taken whole).
-// (The weight gradients' kernels gained nothing this way: level.)
+// (The weight gradients' kernels gained nothing this way: level.) Blocks of more than 128 rows
+// on average went as shares until the threads claimed their blocks (over_blocks); since then
+// whole blocks at any size: layer bf16, alternated in one process (2–4 rounds), forward
+// fine-grained T = 2048 0.939×, T = 4096 0.978×, T = 8192 0.992×; forward+backward T = 2048
+// 0.979×, T = 4096 0.992×, T = 8192 level. Mixtral's 8 blocks taken whole (4 a thread): level
+// (forward T = 256 0.992×, forward+backward 0.998×), so not.
 constexpr int64_t kWholeBlocksPerThread = 8;
-constexpr int64_t kWholeBlocksMeanRows = 128;
 
-bool whole_blocks(const int64_t* blocks, int64_t count, int threads) {
-  if (threads < 2 || count < kWholeBlocksPerThread * threads) return false;
-  int64_t rows = 0;
-  for (int64_t i = 0; i < count; ++i) rows += blocks[4 * i + 2] - blocks[4 * i + 1];
-  return rows <= kWholeBlocksMeanRows * count;
-}
+bool whole_blocks(int64_t count, int threads) { return threads >= 2 && count >= kWholeBlocksPerThread * threads; }
 
 // The order in which the threads claim whole blocks: the longest first (a block's work counted
 // as its rows), ties in the table's order.
@@ -1239,7 +1238,7 @@ int over_blocks(const int64_t* blocks, int64_t count, int64_t experts, int64_t u
                 int threads, void* parallel, void* thread_num, void* num_threads, Run run, bool whole = false) {
   if (count < 0 || !blocks_fit(blocks, count, experts)) return -1;
   int failed = 0;
-  whole = whole && whole_blocks(blocks, count, threads);
+  whole = whole && whole_blocks(count, threads);
   const int64_t team_size = whole ? threads : std::min<int64_t>(threads, std::max<int64_t>(1, units / least));
   const std::vector<int64_t> order = whole ? longest_first(blocks, count) : std::vector<int64_t>();
   int64_t claimed = 0;  // (whole blocks: the next place in `order` to claim)
@@ -1290,7 +1289,7 @@ extern "C" int moe_ffn_avx512_input_grad_blocks_bf16(const float* g, int64_t ldg
 // kernels flush them): register tiles of up to 4 rows of x by 6 rows of w, each tile's whole
 // sum over I in its registers (no chunks: a bf16 y is rounded once), reduced across lanes at
 // the end. The threads split w's rows, each taking its share of every block, or where the
-// blocks are many and small take whole blocks each (whole_blocks).
+// blocks are many take whole blocks each (whole_blocks).
 
 namespace {
 
