@@ -1602,10 +1602,10 @@ void outer_tiles(const uint32_t* packed, int64_t pairs, const LinearBf16& p, int
 // could not be had.
 constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 
-// A last part of at most dot_tail_most(full) rows after `full` ≥ 2 full groups goes to the
-// dot-product tiles instead, chunk by chunk over the same rows of w (in L2 from the group
-// tiles): as a group of its own it cost a whole group's products for those few rows (65 rows
-// computed 80). Per product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9
+// The groups of 16 rows a block of `rows` rows takes on the outer products (outer_groups); the
+// rows past them go to the dot-product tiles instead, chunk by chunk over the same rows of w
+// (in L2 from the group tiles): as a group of its own a short tail cost a whole group's
+// products for those few rows (65 rows computed 80). Per product, GFLOP/s, Mixtral's 7168×1024 / the fine-grained 1024×512 (9
 // rounds): 33 rows 591 → 696 / 551 → 615, 49 rows 652 → 788 / 569 → 699, 65 rows 722 → 792 /
 // 640 → 675, 36 and 68 rows 1.06–1.22×, 44 rows (a tail of 12, a group still) level. A tail of
 // up to 12 gained at 9 (57 rows: 753 → 846 / 644 → 744) but lost at 12 (705 → 663 through
@@ -1624,7 +1624,12 @@ constexpr int64_t kChunkCols = 48;  // a multiple of 24 / V (V = 2, 3)
 // dots: 371–411 → 385–431 GFLOP/s in every shape (64 rows 1.02–1.06×); layer bf16 forward
 // Mixtral T = 256 0.985×, fine-grained T = 512 0.982×, forward+backward Mixtral T = 256 0.991×.
 constexpr int64_t kDotTail = 8;
-inline int64_t dot_tail_most(int64_t full) { return full == 2 ? 11 : full == 3 ? 16 + kDotTail : kDotTail; }
+inline int64_t outer_groups(int64_t rows) {
+  const int64_t full = rows / kGroupRows, tail = rows % kGroupRows;
+  if (full == 4 && tail <= kDotTail) return 3;  // (16 + tail rows on the dots)
+  const int64_t most = full == 2 ? 11 : full == 3 ? kGroupRows - 1 : kDotTail;  // (a tail on the dots)
+  return full >= 2 && tail > 0 && tail <= most ? full : (rows + kGroupRows - 1) / kGroupRows;
+}
 
 // A block's rows of x as the outer products read them (packed groups, and a short tail's rows
 // for the dot-product tiles), made once per block by pack_block.
@@ -1639,13 +1644,10 @@ struct PackedRows {
 // p's rows packed into the thread's scratch, with `extra_bytes` of it left after them (64-byte
 // aligned, at *extra where asked); false where the scratch could not be had.
 bool pack_block(const LinearBf16& p, PackedRows* out, size_t extra_bytes = 0, void** extra = nullptr) {
-  int64_t full = p.rows / kGroupRows, tail = p.rows % kGroupRows;
-  if (full == 4 && tail <= kDotTail) full = 3, tail += kGroupRows;  // (see dot_tail_most)
-  const bool tail_on_dots = full >= 2 && tail > 0 && tail <= dot_tail_most(full);
+  const int64_t groups = outer_groups(p.rows), tail = std::max<int64_t>(0, p.rows - groups * kGroupRows);
   const int64_t pairs = p.in_features / 2;
-  const int64_t groups = tail_on_dots ? full : (p.rows + kGroupRows - 1) / kGroupRows;
   const int64_t packed_words = pairs * kGroupRows * groups;  // (then the tail's gathered rows, where p.index is)
-  const int64_t tail_words = tail_on_dots && p.index ? (tail * p.in_features + 1) / 2 : 0;
+  const int64_t tail_words = p.index ? (tail * p.in_features + 1) / 2 : 0;
   const size_t packed_bytes = (sizeof(uint32_t) * (packed_words + tail_words) + 63) / 64 * 64;
   auto* packed = static_cast<uint32_t*>(moe_ffn_team::thread_scratch(packed_bytes + extra_bytes));
   if (packed == nullptr) return false;
@@ -1653,8 +1655,8 @@ bool pack_block(const LinearBf16& p, PackedRows* out, size_t extra_bytes = 0, vo
     pack_rows(p, g * kGroupRows, std::min(kGroupRows, p.rows - g * kGroupRows), packed + g * pairs * kGroupRows);
   // the tail's rows, for the dot-product tiles
   const LinearBf16 rest =
-      rows_of(p, full * kGroupRows, tail_on_dots ? tail : 0, reinterpret_cast<bf16_t*>(packed + packed_words));
-  *out = PackedRows{packed, pairs, groups, tail_on_dots ? tail : 0, rest.x, rest.ldx};
+      rows_of(p, std::min(p.rows, groups * kGroupRows), tail, reinterpret_cast<bf16_t*>(packed + packed_words));
+  *out = PackedRows{packed, pairs, groups, tail, rest.x, rest.ldx};
   if (extra) *extra = reinterpret_cast<char*>(packed) + packed_bytes;
   return true;
 }
