@@ -767,6 +767,20 @@ def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
 # in one group: 165 MiB, 0.958× the time).
 _GROUP_ELEMENTS = 1 << 22
 _PIECE_ELEMENTS = 1 << 24
+# Where a step has many blocks of many rows, a group of the budget held few of them: fine-grained
+# at T = 8192 (~1024 rows an expert), 4 blocks a group in the backward and 8 in the forward,
+# where the blocks kernels share a call's blocks among the threads whole only from 8 blocks a
+# thread (_avx512.cpp, whole_blocks) and split each block's tiles among them below that. So the
+# budget grows to that many blocks' worth on average (at most a piece's), where the step has more
+# blocks than that in all (Mixtral's 8 experts never do: grouping them more only grew its
+# temporaries, working memory at T = 2048 twice what it was, past the target of 1.25× the dense
+# block). Zen 4 EPYC, layer alternated in one process against the budget alone (medians of pair
+# ratios, 3–9 rounds, the same bits): fine-grained bf16 forward T = 8192 0.934–0.945×,
+# forward+backward 0.969×, T = 4096 0.982×; float32 forward+backward T = 8192 0.982×, T = 4096
+# 0.977×, forward T = 8192 level (0.998×); T ≤ 2048 unchanged (groups of 16 blocks already).
+# Working memory of forward+backward at T = 8192 (the benchmark's measure): bf16 310 → 401 MiB
+# (the dense k·F block's ~400), float32 598 → 737.
+_GROUP_BLOCKS_A_THREAD = 8
 # A step of at most _ONE_GROUP_FACTOR groups' worth goes in one group: halving a small step's
 # temporaries (a few MiB) cost a second round of kernel calls. bf16 forward+backward, A/B in one
 # process against 1 (2026-12-03, the AVX-512 EPYC, 9 rounds): fine-grained T = 256 (2048 rows ×
@@ -780,8 +794,10 @@ def _groups(
     blocks: list[tuple[int, int, int]], width: int, split: bool
 ) -> list[list[tuple[int, int, int]]]:
     """Consecutive blocks packed into groups of about `_GROUP_ELEMENTS` / width rows (a block
-    larger than that is a group of its own); all of them in one group where they come to at
-    most `_ONE_GROUP_FACTOR` groups' worth.
+    larger than that is a group of its own), or of `_GROUP_BLOCKS_A_THREAD` blocks a thread on
+    average where there are more blocks than that and those are larger (up to a piece's
+    elements); all of them in one group where they come to at most `_ONE_GROUP_FACTOR` groups'
+    worth.
 
     split: a block longer than `_PIECE_ELEMENTS` / width rows is first cut into pieces of at
     most that many rows (the same expert on consecutive row ranges), so that no temporary
@@ -794,7 +810,11 @@ def _groups(
         most = max(1, _PIECE_ELEMENTS // max(1, width))
         blocks = [(e, s, min(s + most, stop)) for e, start, stop in blocks for s in range(start, stop, most)]
     total = sum(stop - start for _, start, stop in blocks) * width
-    budget = total if total <= _ONE_GROUP_FACTOR * _GROUP_ELEMENTS else _GROUP_ELEMENTS
+    budget = _GROUP_ELEMENTS
+    per_group = _GROUP_BLOCKS_A_THREAD * torch.get_num_threads()
+    if per_group and len(blocks) > per_group:
+        budget = max(budget, min(per_group * total // len(blocks), _PIECE_ELEMENTS))
+    budget = total if total <= _ONE_GROUP_FACTOR * budget else budget
     groups, current, rows = [], [], 0
     for block in blocks:
         if current and (rows + block[2] - block[1]) * width > budget:

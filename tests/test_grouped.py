@@ -225,6 +225,23 @@ def test_a_small_step_goes_in_one_group(monkeypatch):
     assert grouped._groups(most, 2, split=False) == [more + [(4, 9, 14)], [(5, 14, 20), (6, 20, 30)], [(7, 30, 36)]]
 
 
+def test_many_large_blocks_go_several_to_a_group(monkeypatch):
+    """Where a step has more blocks than _GROUP_BLOCKS_A_THREAD a thread, the budget grows to
+    that many blocks' worth on average (at most a piece's elements); with fewer blocks it stays."""
+    monkeypatch.setattr(grouped, "_GROUP_ELEMENTS", 8)  # H = 8: 1 row a group
+    monkeypatch.setattr(grouped, "_ONE_GROUP_FACTOR", 1)
+    monkeypatch.setattr(grouped, "_GROUP_BLOCKS_A_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 2 blocks a group
+    blocks = [(e, e, e + 1) for e in range(8)]
+    assert grouped._groups(blocks, 8, split=False) == [blocks[i : i + 2] for i in range(0, 8, 2)]
+    assert grouped._groups(blocks[:2], 8, split=False) == [[b] for b in blocks[:2]]  # (not more than 2)
+    monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 8)  # the growth stops at a piece
+    assert grouped._groups(blocks, 8, split=False) == [[b] for b in blocks]
+    monkeypatch.setattr(grouped, "_PIECE_ELEMENTS", 1 << 24)
+    monkeypatch.setattr(grouped, "_GROUP_BLOCKS_A_THREAD", 0)  # off: the budget alone
+    assert grouped._groups(blocks, 8, split=False) == [[b] for b in blocks]
+
+
 @pytest.mark.parametrize("routed", [False, True])
 def test_first_projection_runs_over_whole_blocks_when_the_rest_is_cut(monkeypatch, routed):
     """Cut into 2-row pieces, the forward still multiplies each expert's whole block by its
