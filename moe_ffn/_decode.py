@@ -1,6 +1,7 @@
 """A MoE layer's decode step in one call of the library (`_decode.cpp`): the router's logits,
 scores, top-k and combine weights, the dispatch plan and the experts' one-call forward with its
-weighted sum, for a few tokens on the CPU where nothing needs autograd.
+weighted sum, for a few tokens on the CPU; with autograd on, one node whose backward is the
+experts' backward of the layer's ops, the routing's and the router's (`_DecodeStep`).
 
 Why: a decode step reads its routed experts' weights once (~25 MB for the fine-grained bf16
 shape at T = 1), and that stream empties the caches of everything else: every op of the
@@ -15,15 +16,16 @@ process (40 rounds, medians of pair ratios): fine-grained bf16 T = 1 0.77–0.80
 
 Where it runs (`step` returns None elsewhere and the layer makes its usual calls): the layer's
 experts are `GatedExperts` with SiLU and no biases, no capacity limit, routing one of
-config.Routing's, at most MAX_TOKENS tokens, autograd off (no_grad / inference_mode), no
-router jitter this step, no autocast, not compiling (the layer checks its parts and hooks:
-MoE._decodes_in_one_call); and the experts' part runs on the kernel the layer's decode path
-chooses for the same blocks — bf16 on AVX512-BF16 CPUs without AMX, float32 on the library's
-float32 kernels — so that part gives the same bits. The routing's bits: bf16 tokens' logits
+config.Routing's, at most MAX_TOKENS tokens, no router jitter this step, no autocast, not
+compiling (the layer checks its parts and hooks: MoE._decodes_in_one_call); and the experts'
+part runs on the kernel the layer's decode path chooses for the same blocks — bf16 on
+AVX512-BF16 CPUs without AMX, float32 on the library's float32 kernels — so that part gives
+the same bits. The routing's bits: bf16 tokens' logits
 are the router's own kernel's; float32 tokens' logits are double sums rounded once (F.linear's
 float32 sums differ in the last bits); scores and weights are computed in double and rounded
 once (torch's float32 softmax and division round at each step). The same tokens can so get
-weights a few ulps apart with autograd on and off, and, on a near-tie, another expert.
+weights a few ulps apart here and in the layer's ops (past MAX_TOKENS tokens, or compiling),
+and, on a near-tie, another expert.
 """
 
 from __future__ import annotations
