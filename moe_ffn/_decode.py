@@ -19,13 +19,12 @@ experts are `GatedExperts` with SiLU and no biases, no capacity limit, routing o
 config.Routing's, at most MAX_TOKENS tokens, no router jitter this step, no autocast, not
 compiling (the layer checks its parts and hooks: MoE._decodes_in_one_call); and the experts'
 part runs on the kernel the layer's decode path chooses for the same blocks — bf16 on
-AVX512-BF16 CPUs without AMX, float32 on the library's float32 kernels — so that part gives
-the same bits. The routing's bits: bf16 tokens' logits
-are the router's own kernel's; float32 tokens' logits are double sums rounded once (F.linear's
-float32 sums differ in the last bits); scores and weights are computed in double and rounded
-once (torch's float32 softmax and division round at each step). The same tokens can so get
-weights a few ulps apart here and in the layer's ops (past MAX_TOKENS tokens, or compiling),
-and, on a near-tie, another expert.
+AVX512-BF16 CPUs without AMX, float32 on the library's float32 kernels — so that part gives the
+same bits. The routing's bits: bf16 tokens' logits are the router's own kernel's; float32
+tokens' logits are double sums rounded once (F.linear's float32 sums differ in the last bits);
+scores and weights are computed in double and rounded once (torch's float32 softmax and
+division round at each step). The same tokens can so get weights a few ulps apart here and in
+the layer's ops (past MAX_TOKENS tokens, or compiling), and, on a near-tie, another expert.
 """
 
 from __future__ import annotations
