@@ -309,29 +309,36 @@ def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[T
             _kept[weight] = buffer
             return torch.frombuffer(buffer, dtype=dtype).view(shape), False
         grad = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    keep = set(written)
-    idle = [e for e in range(shape[0]) if e not in keep]
-    if 2 * len(written) < shape[0]:
+    keep = sorted(set(written))
+    idle = _runs_between(keep, shape[0])
+    if 2 * len(keep) < shape[0]:
         _give_back(buffer, grad, idle)
     else:
-        for e in idle:
-            grad[e].zero_()
+        for e0, e1 in idle:
+            grad[e0:e1].zero_()
     return grad, True
 
 
-def _give_back(buffer: mmap.mmap, grad: Tensor, slices: list[int]) -> None:
-    """Zero grad[e] for e in `slices` (ascending) by giving the mapping's whole pages inside
-    each run of consecutive slices back to the kernel (they read as zeros until written) and
-    writing zeros only on the parts of pages the run shares with its neighbours."""
+def _runs_between(keep: list[int], count: int) -> list[tuple[int, int]]:
+    """The runs [first, last + 1) of the slices in range(count) not in `keep` (ascending): a
+    step's few written experts make few runs, walked here instead of every idle slice."""
+    runs, start = [], 0
+    for e in keep:
+        if e > start:
+            runs.append((start, e))
+        start = e + 1
+    if start < count:
+        runs.append((start, count))
+    return runs
+
+
+def _give_back(buffer: mmap.mmap, grad: Tensor, runs: list[tuple[int, int]]) -> None:
+    """Zero grad[e0:e1] for each run (e0, e1) of slices by giving the mapping's whole pages
+    inside it back to the kernel (they read as zeros until written) and writing zeros only on
+    the parts of pages the run shares with its neighbours."""
     flat = grad.view(-1)
     per = flat.numel() // grad.shape[0] * grad.element_size()  # bytes per slice
     page, size = mmap.PAGESIZE, grad.element_size()
-    runs = []  # [first slice, last slice + 1)
-    for e in slices:
-        if runs and runs[-1][1] == e:
-            runs[-1][1] = e + 1
-        else:
-            runs.append([e, e + 1])
     for e0, e1 in runs:
         start, stop = e0 * per, e1 * per
         first, last = -(-start // page) * page, stop // page * page  # the whole pages inside
