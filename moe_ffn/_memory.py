@@ -292,7 +292,9 @@ def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[T
     are written (their pages stay mapped for the next step), else by giving their pages back
     (MADV_DONTNEED: they read as zeros, as a fresh mapping does, without the idle experts'
     pages being written); the written slices keep their pages either way, so that an expert
-    with rows in consecutive steps writes over memory already mapped.
+    with rows in consecutive steps writes over memory already mapped. The memset is the
+    library's streaming one where it runs (`_small_gemm.zero_streaming`: past the caches, no
+    line read first), else torch's zero_.
     """
     shape, dtype = tuple(weight.shape), like.dtype
     nbytes = math.prod(shape) * dtype.itemsize
@@ -314,8 +316,11 @@ def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[T
     if 2 * len(keep) < shape[0]:
         _give_back(buffer, grad, idle)
     else:
-        for e0, e1 in idle:
-            grad[e0:e1].zero_()
+        from moe_ffn import _small_gemm  # (which imports this module: imported where used)
+
+        if not _small_gemm.zero_streaming(grad, idle):
+            for e0, e1 in idle:
+                grad[e0:e1].zero_()
     return grad, True
 
 

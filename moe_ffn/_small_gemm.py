@@ -237,6 +237,7 @@ def library() -> Optional[ctypes.CDLL]:
         routed_swiglu, routed_swiglu_bf16 = lib.moe_ffn_routed_swiglu_blocks_f32, lib.moe_ffn_routed_swiglu_blocks_bf16
         plan_rows_fn, topk_rows_fn = lib.moe_ffn_plan_rows, lib.moe_ffn_topk_rows
         routed_backward = lib.moe_ffn_routed_swiglu_backward_blocks_f32, lib.moe_ffn_routed_swiglu_backward_blocks_bf16
+        zero_streaming_fn = lib.moe_ffn_zero_streaming
     except (OSError, AttributeError):
         return None
     i64, ptr, team = ctypes.c_int64, ctypes.c_void_p, [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -268,9 +269,10 @@ def library() -> Optional[ctypes.CDLL]:
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr,
                        i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr] + team
     topk_rows_fn.argtypes = [ptr, i64, i64, i64, i64, ptr] + team
+    zero_streaming_fn.argtypes = [ptr, ptr, i64] + team
     for fn in (
         product, product_bf16, product_bf16b, swiglu, swiglu_backward, scatter_add, slot_sum, routed_swiglu,
-        routed_swiglu_bf16, plan_rows_fn, topk_rows_fn, *routed_backward,
+        routed_swiglu_bf16, plan_rows_fn, topk_rows_fn, *routed_backward, zero_streaming_fn,
     ):
         fn.restype = ctypes.c_int
     return lib
@@ -2414,6 +2416,22 @@ def slot_sums_fit(like: Tensor, src_dtype: torch.dtype, weight: Optional[Tensor]
         like.device.type == "cpu" and src_dtype in (torch.float32, torch.bfloat16) and weight_fits
         and not torch.compiler.is_compiling() and _kernel() is not None
     )
+
+
+def zero_streaming(t: Tensor, runs: list[tuple[int, int]]) -> bool:
+    """t[e0:e1] = 0 for every run (e0, e1) of t's first dim, with streaming stores past the caches
+    (`moe_ffn_zero_streaming`: tens of MiB of a weight gradient's idle experts, which torch's
+    zero_ writes through the caches, reading each line first); returns whether it ran (when
+    False, t is untouched: the caller zeroes the runs itself). A contiguous CPU tensor."""
+    if any(not 0 <= e0 <= e1 <= t.shape[0] for e0, e1 in runs):
+        raise ValueError(f"zero_streaming: runs {runs} do not fit the first dim of {tuple(t.shape)}")
+    kernel = _kernel()
+    if kernel is None or t.device.type != "cpu" or not t.is_contiguous() or torch.compiler.is_compiling():
+        return False
+    lib, openmp = kernel
+    per = t[0].numel() * t.element_size() if t.shape[0] else 0  # bytes per slice
+    table = array.array("q", [v for e0, e1 in runs for v in (e0 * per, e1 * per)])
+    return lib.moe_ffn_zero_streaming(t.data_ptr(), table.buffer_info()[0], len(runs), torch.get_num_threads(), *openmp) == 0
 
 
 def slot_sum_rows(out: Tensor, token: Tensor, src: Tensor, weight: Optional[Tensor] = None) -> bool:

@@ -3854,3 +3854,39 @@ def test_bf16_packed_weight_grad_checks_nan_unless_every_sum_is_finite(rows):
     grads = torch.full((1, M, N), 7.0, dtype=torch.bfloat16)
     assert _small_gemm.bf16_weight_grad_blocks(grads, big, other, [(0, 0, rows)], [False])
     _bf16_within_one_rounding(grads[0], big.double().t() @ other.double(), _bound(big.double().abs().t(), other.double().abs(), rows))
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, runs",
+    [
+        ((9, 120, 1001), torch.float32, [(0, 2), (3, 4), (6, 9)]),  # slices not 32-byte aligned
+        ((7, 333), torch.bfloat16, [(1, 2), (4, 7)]),
+        ((64, 1024, 512), torch.bfloat16, [(0, 5), (9, 40), (63, 64)]),  # past 1 MiB: on the team
+        ((3, 5), torch.float32, []),
+    ],
+)
+def test_zero_streaming_zeroes_exactly_the_runs(shape, dtype, runs):
+    """The idle experts' slices of a kept weight gradient (_memory.gradient_memory): zeros over
+    every run of the first dim, every other byte as it was, at any alignment."""
+    _needs_kernel()
+    t = torch.randn(shape).to(dtype)
+    expected = t.clone()
+    for e0, e1 in runs:
+        expected[e0:e1] = 0
+    assert _small_gemm.zero_streaming(t, runs)
+    assert torch.equal(t, expected)
+    # a part of a larger buffer (offset storage)
+    whole = torch.randn(2 * shape[0], *shape[1:]).to(dtype)
+    part, kept = whole[shape[0] :], whole[: shape[0]].clone()
+    expected = part.clone()
+    for e0, e1 in runs:
+        expected[e0:e1] = 0
+    assert _small_gemm.zero_streaming(part, runs)
+    assert torch.equal(part, expected) and torch.equal(whole[: shape[0]], kept)
+
+
+def test_zero_streaming_rejects_runs_outside_the_tensor():
+    with pytest.raises(ValueError, match=r"runs \[\(2, 5\)\] do not fit the first dim of \(4, 3\)"):
+        _small_gemm.zero_streaming(torch.ones(4, 3), [(2, 5)])
+    with pytest.raises(ValueError, match="do not fit"):
+        _small_gemm.zero_streaming(torch.ones(4, 3), [(3, 2)])
