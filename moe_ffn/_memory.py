@@ -315,7 +315,7 @@ def gradient_memory(weight: Tensor, like: Tensor, written: list[int]) -> tuple[T
     idle = _runs_between(keep, shape[0])
     if 2 * len(keep) < shape[0]:
         _give_back(buffer, grad, idle)
-    else:
+    elif idle:  # (every expert written, as at most steps past a few hundred tokens: nothing to clear)
         from moe_ffn import _small_gemm  # (which imports this module: imported where used)
 
         if not _small_gemm.zero_streaming(grad, idle):

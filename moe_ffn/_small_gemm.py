@@ -2429,7 +2429,7 @@ def zero_streaming(t: Tensor, runs: list[tuple[int, int]]) -> bool:
     if kernel is None or t.device.type != "cpu" or not t.is_contiguous() or torch.compiler.is_compiling():
         return False
     lib, openmp = kernel
-    per = t[0].numel() * t.element_size() if t.shape[0] else 0  # bytes per slice
+    per = t.numel() // max(1, t.shape[0]) * t.element_size()  # bytes per slice
     table = array.array("q", [v for e0, e1 in runs for v in (e0 * per, e1 * per)])
     return lib.moe_ffn_zero_streaming(t.data_ptr(), table.buffer_info()[0], len(runs), torch.get_num_threads(), *openmp) == 0
 
