@@ -5,6 +5,8 @@ does not take goes back to the layer's ops."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -369,3 +371,110 @@ def test_an_input_without_gradient_gives_the_parameters_the_layers_gradients(cal
     assert calls == [(True, True)]
     for a, b in zip(got, ops):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+
+
+def _needs_the_backward_call() -> None:
+    _needs_the_call(torch.bfloat16)
+    if _decode._backward_entry_point() is None:
+        pytest.skip("no one-call bf16 decode backward here (not an AVX512-BF16 CPU with torch at AVX-512)")
+
+
+def _node_grads(moe: MoE, x, g, one_call_backward: bool, monkeypatch, x_grad=True, aux=True):
+    """Gradients of x and every parameter through the step's node, its backward in one call of
+    the library or in the node's general calls."""
+    entry = _decode._backward_entry_point()
+    monkeypatch.setattr(_decode, "_backward_entry_point", lambda: entry if one_call_backward else None)
+    moe.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_(x_grad)
+    y = moe(leaf)
+    ((y.float() * g.float()).sum() + (10 * moe.stats.aux_loss if aux else 0)).backward()
+    return [leaf.grad, *(p.grad for p in moe.parameters())]
+
+
+@pytest.fixture
+def backward_calls(monkeypatch):
+    """What each `_decode._backward_in_one_call` of the test returned: whether it gave gradients."""
+    seen = []
+    run = _decode._backward_in_one_call
+
+    def spy(*args):
+        grads = run(*args)
+        seen.append(grads is not None)
+        return grads
+
+    monkeypatch.setattr(_decode, "_backward_in_one_call", spy)
+    return seen
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(), dict(norm_topk_prob=False), dict(routing="topk_softmax"), dict(routing="sigmoid_topk", routed_scaling_factor=2.5)],
+    ids=["softmax_topk", "softmax_unnormalised", "topk_softmax", "sigmoid_scaled"],
+)
+@pytest.mark.parametrize("aux, x_grad", [(True, True), (False, True), (True, False)], ids=["aux", "no_aux", "x_frozen"])
+def test_the_bf16_backward_in_one_call_gives_the_nodes_general_bits(tokens, fields, aux, x_grad, calls, backward_calls, monkeypatch):
+    """moe_ffn_decode_backward_bf16 (the experts', the routing's and the router's backward in
+    one call) against the node's general backward on the same step: every gradient bit for
+    bit, with the aux losses' gradients on the logits and probs or without, x with or without
+    a gradient."""
+    _needs_the_backward_call()
+    moe = _layer(torch.bfloat16, aux_loss_coef=0.01, z_loss_coef=0.001, **fields).train()
+    x, g = torch.randn(tokens, D).bfloat16(), torch.randn(tokens, D).bfloat16()
+    got = _node_grads(moe, x, g, True, monkeypatch, x_grad, aux)
+    general = _node_grads(moe, x, g, False, monkeypatch, x_grad, aux)
+    assert calls == [(True, True)] * 2 and backward_calls == [True]
+    assert (got[0] is None) == (not x_grad)
+    for a, b, name in zip(got, general, ["x", "router", "gate_up", "down"]):
+        if b is None:
+            assert a is None, name
+            continue
+        assert torch.equal(a, b), name
+    assert got[1].abs().sum() > 0 and got[2].abs().sum() > 0
+
+
+def test_a_frozen_router_or_expert_weight_takes_the_general_backward(calls, backward_calls, monkeypatch):
+    """A frozen router: the call gives no router gradient (its product skipped), the same bits
+    as the general backward; a frozen expert weight: the general backward (the call writes both
+    weights' gradients), which gives the other its gradient."""
+    _needs_the_backward_call()
+    moe = _layer(torch.bfloat16).train()
+    x, g = torch.randn(4, D).bfloat16(), torch.randn(4, D).bfloat16()
+    moe.router.weight.requires_grad_(False)
+    got = _node_grads(moe, x, g, True, monkeypatch)
+    general = _node_grads(moe, x, g, False, monkeypatch)
+    assert backward_calls == [True] and got[1] is None
+    assert all(torch.equal(a, b) for a, b in zip([got[0], *got[2:]], [general[0], *general[2:]]))
+    moe.router.weight.requires_grad_(True)
+    moe.experts.down_proj.requires_grad_(False)
+    got = _node_grads(moe, x, g, True, monkeypatch)
+    general = _node_grads(moe, x, g, False, monkeypatch)
+    assert backward_calls == [True] and calls == [(True, True)] * 4
+    assert got[3] is None and all(torch.equal(a, b) for a, b in zip(got[:3], general[:3]))
+
+
+def test_a_declined_backward_call_is_computed_again_whole(calls, monkeypatch):
+    """Where the call declines after writing part of the gradients (status -1), the node's
+    general backward computes every gradient again: the same bits as without the call."""
+    _needs_the_backward_call()
+    entry = _decode._backward_entry_point()
+    declined = []
+
+    def declining(*args):
+        assert entry(*args) == 0
+        for at, nbytes in ((28, 2 * E * 2 * F * D), (31, 2 * E * D * F), (37, 2 * 3 * D)):  # gradients scribbled over
+            ctypes.memset(args[at], 0x7F, nbytes)
+        declined.append(True)
+        return -1
+
+    moe = _layer(torch.bfloat16, aux_loss_coef=0.01).train()
+    x, g = torch.randn(3, D).bfloat16(), torch.randn(3, D).bfloat16()
+    general = _node_grads(moe, x, g, False, monkeypatch)
+    moe.zero_grad(set_to_none=True)
+    monkeypatch.setattr(_decode, "_backward_entry_point", lambda: declining)
+    leaf = x.clone().requires_grad_()
+    y = moe(leaf)
+    ((y.float() * g.float()).sum() + 10 * moe.stats.aux_loss).backward()
+    assert declined == [True]
+    for a, b in zip([leaf.grad, *(p.grad for p in moe.parameters())], general):
+        assert torch.equal(a, b)
