@@ -72,8 +72,23 @@ def test_warm_up_runs_each_implementation_until_its_calls_fill_the_warm_up_time(
     # Rounds from the last warm-up call: 3 s / 0.5 = 6, 3 s / 2.5 → at least 3, 3 s / 0.2 = 15 → 11.
     assert [len(times[n]) for n in ("fast", "slow", "cold")] == [6, 3, 11]
     assert times["cold"] == [pytest.approx(0.2)] * 11
-    # warm-up in rounds, each rotated by one: the first round runs fast, slow, cold.
-    assert log[:3] == ["fast", "slow", "cold"] and log[3:5] == ["cold", "fast"]
+    # warm-up in rounds: the first runs all three, the second the two still due (slow is warm)
+    assert sorted(log[:3]) == ["cold", "fast", "slow"] and sorted(log[3:5]) == ["cold", "fast"]
+
+
+def test_each_implementation_runs_after_each_other_and_never_twice_in_a_row(bench, monkeypatch):
+    """What ran just before a call changes its time (its weights in the caches, its dirty lines
+    written back): over the rounds every implementation follows each of the others, and none
+    follows itself while another is left."""
+    names = ["a", "b", "c", "d", "e"]
+    times, _, log = _run(bench, monkeypatch, {n: [0.01] for n in names}, warmup_s=0.0, budget_s=0.5, reps_max=30)
+    assert all(len(times[n]) == 30 for n in names)
+    pairs = list(zip(log, log[1:]))
+    assert all(before != after for before, after in pairs)
+    for n in names:
+        assert {before for before, after in pairs if after == n} == set(names) - {n}, n
+    # the same order in every run (a seeded shuffle)
+    assert _run(bench, monkeypatch, {n: [0.01] for n in names}, warmup_s=0.0, budget_s=0.5, reps_max=30)[2] == log
 
 
 def test_no_warm_up_time_means_one_warm_up_call(bench, monkeypatch):
