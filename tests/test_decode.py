@@ -478,3 +478,28 @@ def test_a_declined_backward_call_is_computed_again_whole(calls, monkeypatch):
     assert declined == [True]
     for a, b in zip([leaf.grad, *(p.grad for p in moe.parameters())], general):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [lambda y: (y * torch.randn(1, D).bfloat16()).sum(), lambda y: (y.float() * torch.randn(D, 6).t()).sum(),
+     lambda y: y[2:4].float().square().sum()],
+    ids=["one_row_expanded", "transposed", "rows_sliced"],
+)
+def test_the_one_call_backward_takes_output_gradients_of_any_layout(loss, backward_calls, monkeypatch):
+    """The output's gradient as autograd hands it over: a row expanded over the tokens (rows 0
+    elements apart, read as they lie), transposed (made contiguous first), zero outside a
+    slice: the same bits as the node's general backward."""
+    _needs_the_backward_call()
+    moe = _layer(torch.bfloat16).train()
+    x = torch.randn(6, D).bfloat16()
+    grads, entry = [], _decode._backward_entry_point()
+    for one_call in (True, False):
+        monkeypatch.setattr(_decode, "_backward_entry_point", lambda: entry if one_call else None)
+        moe.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        torch.manual_seed(1)
+        loss(moe(leaf)).backward()
+        grads.append([leaf.grad, *(p.grad for p in moe.parameters())])
+    assert backward_calls == [True]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
