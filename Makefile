@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml moe_ffn/_small_gemm.cpp moe_ffn/_amx.cpp moe_ffn/_avx512.cpp moe_ffn/_decode.cpp moe_ffn/_team.h moe_ffn/_bf16x16.h moe_ffn/_exp16.h moe_ffn/_swiglu16.h moe_ffn/_entry_points.h
+$(STAMP): $(PY) pyproject.toml moe_ffn/_small_gemm.cpp moe_ffn/_amx.cpp moe_ffn/_avx512.cpp moe_ffn/_decode.cpp moe_ffn/_team.h moe_ffn/_bf16x16.h moe_ffn/_exp16.h moe_ffn/_swiglu16.h moe_ffn/_entry_points.h moe_ffn/_bf16.h
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,profile]"
 	touch $(STAMP)

@@ -31,6 +31,7 @@
 #include <new>
 #include <vector>
 
+#include "_bf16.h"
 #include "_entry_points.h"
 
 using bf16_t = uint16_t;
@@ -109,21 +110,6 @@ bool route_token(const float* l, const float* bias, int routing, bool norm, doub
   for (int64_t k = 0; k < top_k; ++k) chosen += score[ids[k]];
   for (int64_t k = 0; k < top_k; ++k) weights[k] = static_cast<float>((norm ? score[ids[k]] / chosen : score[ids[k]]) * scale);
   return true;
-}
-
-// A bf16 (its bits) as a float32, and a float32 rounded to bf16 as torch rounds it (nearest,
-// ties to even; NaN as the quiet NaN 0x7FC0).
-float widened(bf16_t bits) {
-  const uint32_t wide = uint32_t{bits} << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
-bf16_t rounded(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<bf16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 template <typename T>
@@ -311,10 +297,10 @@ extern "C" int moe_ffn_decode_routing_backward(int routing, int norm, double sca
 // weights' stream: the node's backward of a fine-grained training step at T = 1 took 1.82 →
 // 1.39 ms of a ~3.3 ms step (Zen 4 EPYC, the benchmark's setting, medians of 55 steps).
 // grad_x [tokens, dim] contiguous; grad_out rows ldg apart; h [rows, 2F] contiguous; plan and
-// weight as the step wrote them; outer_rows as the experts' entry point takes it. Returns 0, 1
-// where a block has more rows than that kernel takes (nothing written), or -1 where a call
-// declined or scratch could not be had (the gradients may hold part of the result: the caller
-// computes them again, whole).
+// weight as the step wrote them; outer_rows as the experts' entry point takes it. Returns 0, or
+// -1 where a call declined (a block past the experts' kernel's rows, an odd dim: before writing)
+// or scratch could not be had (the gradients may hold part of the result: the caller computes
+// them again, whole).
 extern "C" int moe_ffn_decode_backward_bf16(
     const bf16_t* grad_out, int64_t ldg, const bf16_t* x, int64_t ldx, int64_t tokens, int64_t dim,
     const bf16_t* router, int64_t ldr, int routing, int norm, double scale, int64_t experts, int64_t top_k,
@@ -324,7 +310,6 @@ extern "C" int moe_ffn_decode_backward_bf16(
     bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1, bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2,
     int stream1, int stream2, int want_x, bf16_t* grad_x, bf16_t* grad_router, int64_t outer_rows, int threads,
     void* parallel, void* thread_num, void* num_threads) {
-  constexpr int64_t kMostRows = 64;  // (kOneCallBackwardMaxRows, _avx512.cpp)
   if (routing < 0 || routing > 2 || tokens < 1 || dim < 2 || experts < 1 || top_k < 1 || top_k > experts ||
       features < 1 || threads < 1)
     return -1;
@@ -342,8 +327,7 @@ extern "C" int moe_ffn_decode_backward_bf16(
   int64_t* table = take<int64_t>(space, at, 4 * experts);
   int64_t count = 0;
   for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
-    if (counts[e] > kMostRows) return 1;
-    if (counts[e] > 0) {
+    if (counts[e] > 0) {  // (the experts' entry point declines a block past its rows, writing nothing)
       int64_t* entry = table + 4 * count++;
       entry[0] = e, entry[1] = start, entry[2] = start + counts[e], entry[3] = 0;
     }
@@ -368,6 +352,6 @@ extern "C" int moe_ffn_decode_backward_bf16(
       moe_ffn_avx512_router_backward_bf16(grad_logits, experts, x, ldx, router, ldr, router_x, dim, grad_router, dim,
                                           tokens, experts, dim, threads, parallel, thread_num, num_threads) != 0)
     return -1;
-  for (int64_t i = 0; want_x && i < tokens * dim; ++i) grad_x[i] = rounded(widened(grad_x[i]) + widened(router_x[i]));
+  for (int64_t i = 0; want_x && i < tokens * dim; ++i) grad_x[i] = moe_ffn_bf16::round_to_bf16(moe_ffn_bf16::widen(grad_x[i]) + moe_ffn_bf16::widen(router_x[i]));
   return 0;
 }

@@ -229,10 +229,10 @@ def _backward_in_one_call(fn, team, routing, g_out, g_route, saved, need_x: bool
     none came)."""
     x_TD, r_ED, w1_EHD, w2_EDF, h_NH, plan, weight_N, logits_TE, ids_TK = saved
     (T, D), (E, H, _), K = x_TD.shape, w1_EHD.shape, ids_TK.shape[1]
-    if T * K > _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS or D % 2:
+    if T * K > _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS:  # (the general backward's limit too)
         return None
     g_out = g_out if g_out.stride(1) == 1 else g_out.contiguous()
-    experts = sorted(set(ids_TK.view(-1).tolist()))
+    experts = ids_TK.view(-1).tolist()  # (the experts with rows; gradient_memory sorts them)
     gw1, _ = _memory.gradient_memory(w1_EHD, x_TD, experts)  # (stale or not: each expert with rows written over)
     gw2, _ = _memory.gradient_memory(w2_EDF, x_TD, experts)
     gx = torch.empty(T, D, dtype=x_TD.dtype)

@@ -57,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "_bf16.h"
 #include "_entry_points.h"
 #include "_team.h"
 
@@ -102,12 +103,7 @@ inline __m256 load8(const uint16_t* w) {
 }
 // One weight as a float32: the same, a value at a time.
 inline float widen(float value) { return value; }
-inline float widen(uint16_t bits) {  // a bf16 is the top half of the float32 of the same value
-  const uint32_t wide = uint32_t{bits} << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
+using moe_ffn_bf16::widen;
 // The last n < 8 weights of a row, zeros past them (nothing read past the row's end).
 inline __m256 load_tail(const float* w, int64_t n, __m256i mask) {
   (void)n;
@@ -119,14 +115,8 @@ inline __m256 load_tail(const uint16_t* w, int64_t n, __m256i) {
   return _mm256_load_ps(reinterpret_cast<const float*>(bits));
 }
 
-// A float32 sum as a bfloat16 (its bits), rounded to nearest, ties to even; NaN as the quiet
-// NaN 0x7FC0. The same rounding as torch's float32 → bfloat16 conversion (c10::BFloat16).
-inline uint16_t round_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+// A float32 sum as a bfloat16 (its bits), as torch rounds it (_bf16.h).
+using moe_ffn_bf16::round_to_bf16;
 inline void store(float* y, float value) { *y = value; }
 inline void store(uint16_t* y, float value) { *y = round_to_bf16(value); }
 
