@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "_bf16.h"
@@ -282,44 +283,87 @@ extern "C" int moe_ffn_decode_routing_backward(int routing, int norm, double sca
   return 0;
 }
 
-// The backward of a bf16 step of moe_ffn_decode_step with autograd (its kept h, plan and rows'
-// weights) in one call, where the experts' backward is the AVX512-BF16 one-call kernel: the
-// experts' part (moe_ffn_avx512_routed_swiglu_backward_blocks_bf16 on the plan's blocks: x's
-// part grad_x, both weights' gradients, each expert with rows written over with stream1 /
-// stream2 as that entry point takes them, and the rows' combine-weight gradients), the
-// routing's (moe_ffn_decode_routing_backward from those, grad_weights, grad_probs and
-// grad_logits_in, each null where none came) and the router's product's
-// (moe_ffn_avx512_router_backward_bf16: x's part and grad_router [experts, dim], contiguous, null
-// where not wanted); with want_x, x's two parts added as bf16s, each sum rounded once, as
-// autograd adds them. The calls _decode.py's node makes one by one otherwise, on the same
-// kernels in the same order: the same bits, one crossing from Python instead of three and the
-// Python around them (checks, scratch, the block table), run with the caches emptied by the
-// weights' stream: the node's backward of a fine-grained training step at T = 1 took 1.82 →
-// 1.39 ms of a ~3.3 ms step (Zen 4 EPYC, the benchmark's setting, medians of 55 steps).
+namespace {
+
+// The backward of the router's float32 product logits = x·rᵀ for a few tokens: grad_x [tokens,
+// dim] = g·r and grad_r [experts, dim] = gᵀ·x (g [tokens, experts] rows ldg apart; each output
+// null where not wanted, rows dim apart), each element's products exact in double, summed in
+// double in the experts' (grad_x) or the tokens' (grad_r) order, rounded to float32 once — as
+// the forward's logits_f32 sums (a product of two floats is exact in double: FMA or not, the
+// same bits). For the decode step's node: torch's
+// float32 products, called from Python around the experts' backward, were two more crossings
+// and torch ops run with the caches emptied by the weights' stream.
+// out[d] = Σ_i c[i·ldc]·v[i·ldv + d] over i < n for d < dim (products exact in double, summed in
+// double in i's order, rounded once): 32 columns at a time in eight registers (FMA chains enough
+// to cover its latency), the rest one by one.
+void weighted_rows_f32(const float* c, int64_t ldc, const float* v, int64_t ldv, int64_t n, int64_t dim, float* out) {
+  constexpr int kVecs = 8;
+  const int64_t whole = dim - dim % (4 * kVecs);
+  for (int64_t d = 0; d < whole; d += 4 * kVecs) {
+    __m256d acc[kVecs];
+    for (int j = 0; j < kVecs; ++j) acc[j] = _mm256_setzero_pd();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256d ci = _mm256_set1_pd(c[i * ldc]);
+      const float* vi = v + i * ldv + d;
+      for (int j = 0; j < kVecs; ++j) acc[j] = _mm256_fmadd_pd(ci, _mm256_cvtps_pd(_mm_loadu_ps(vi + 4 * j)), acc[j]);
+    }
+    for (int j = 0; j < kVecs; ++j) _mm_storeu_ps(out + d + 4 * j, _mm256_cvtpd_ps(acc[j]));
+  }
+  for (int64_t d = whole; d < dim; ++d) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(c[i * ldc]) * v[i * ldv + d];
+    out[d] = static_cast<float>(sum);
+  }
+}
+
+void router_backward_f32(const float* g, int64_t ldg, const float* x, int64_t ldx, const float* r, int64_t ldr,
+                         float* grad_x, float* grad_r, int64_t tokens, int64_t experts, int64_t dim) {
+  for (int64_t t = 0; grad_x && t < tokens; ++t) weighted_rows_f32(g + t * ldg, 1, r, ldr, experts, dim, grad_x + t * dim);
+  for (int64_t e = 0; grad_r && e < experts; ++e) weighted_rows_f32(g + e, ldg, x, ldx, tokens, dim, grad_r + e * dim);
+}
+
+// The backward of a step of moe_ffn_decode_step with autograd (its kept h, plan and rows'
+// weights) in one call, where the experts' backward is the AVX512-BF16 CPUs' one-call kernel
+// (T = bf16_t or float): the experts' part (moe_ffn_avx512_routed_swiglu_backward_blocks_bf16 /
+// _f32 on the plan's blocks: x's part grad_x, both weights' gradients, each expert with rows
+// written over with stream1 / stream2 as that entry point takes them, and the rows'
+// combine-weight gradients), the routing's (moe_ffn_decode_routing_backward from those,
+// grad_weights, grad_probs and grad_logits_in, each null where none came) and the router's
+// product's (bf16: moe_ffn_avx512_router_backward_bf16; float32: router_backward_f32; x's part
+// and grad_router [experts, dim], contiguous, null where not wanted); with want_x, x's two parts
+// added in T, as autograd adds them (bf16: each sum of the widened parts rounded once). The
+// calls _decode.py's node makes one by one otherwise, on the same kernels in the same order:
+// the same bits, one crossing from Python instead of three and the Python around them (checks,
+// scratch, the block table), run with the caches emptied by the weights' stream: the node's
+// backward of a fine-grained bf16 training step at T = 1 took 1.82 → 1.39 ms of a ~3.3 ms step
+// (Zen 4 EPYC, the benchmark's setting, medians of 55 steps).
 // grad_x [tokens, dim] contiguous; grad_out rows ldg apart; h [rows, 2F] contiguous; plan and
 // weight as the step wrote them; outer_rows as the experts' entry point takes it. Returns 0, or
 // -1 where a call declined (a block past the experts' kernel's rows, an odd dim: before writing)
 // or scratch could not be had (the gradients may hold part of the result: the caller computes
 // them again, whole).
-extern "C" int moe_ffn_decode_backward_bf16(
-    const bf16_t* grad_out, int64_t ldg, const bf16_t* x, int64_t ldx, int64_t tokens, int64_t dim,
-    const bf16_t* router, int64_t ldr, int routing, int norm, double scale, int64_t experts, int64_t top_k,
-    const bf16_t* w1, int64_t w1_expert, int64_t ldw1, const bf16_t* w2, int64_t w2_expert, int64_t ldw2,
-    int64_t features, const bf16_t* h, const int64_t* plan, const float* weight, const float* logits,
-    const int64_t* ids, const float* grad_weights, const float* grad_probs, const float* grad_logits_in,
-    bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1, bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2,
-    int stream1, int stream2, int want_x, bf16_t* grad_x, bf16_t* grad_router, int64_t outer_rows, int threads,
-    void* parallel, void* thread_num, void* num_threads) {
+template <typename T>
+int decode_backward(const T* grad_out, int64_t ldg, const T* x, int64_t ldx, int64_t tokens, int64_t dim,
+                    const T* router, int64_t ldr, int routing, int norm, double scale, int64_t experts, int64_t top_k,
+                    const T* w1, int64_t w1_expert, int64_t ldw1, const T* w2, int64_t w2_expert, int64_t ldw2,
+                    int64_t features, const T* h, const int64_t* plan, const float* weight, const float* logits,
+                    const int64_t* ids, const float* grad_weights, const float* grad_probs, const float* grad_logits_in,
+                    T* grad_w1, int64_t gw1_expert, int64_t ldgw1, T* grad_w2, int64_t gw2_expert, int64_t ldgw2,
+                    int stream1, int stream2, int want_x, T* grad_x, T* grad_router, int64_t outer_rows, int threads,
+                    void* parallel, void* thread_num, void* num_threads) {
+  constexpr bool kIsBf16 = std::is_same_v<T, bf16_t>;
   if (routing < 0 || routing > 2 || tokens < 1 || dim < 2 || experts < 1 || top_k < 1 || top_k > experts ||
       features < 1 || threads < 1)
     return -1;
   const int64_t rows = tokens * top_k;
   const int64_t *order = plan, *token = plan + rows, *counts = plan + 2 * rows;
-  // scratch: the block table, the experts' rows_d [4, rows, dim] and rows_h [rows, 4F] (bf16),
-  // wide_d [2, rows, dim] and wide_h [rows, 2F] (float32), index, the rows' combine-weight
-  // gradients, the logits' gradient and x's router part
-  const int64_t bytes = 2 * rows * (4 * dim + 4 * features) + 4 * rows * (2 * dim + 2 * features) +
-                        8 * (4 * experts + tokens + 1 + rows) + 4 * rows + 4 * tokens * experts + 2 * tokens * dim;
+  // scratch: the block table, the experts' rows_d [4, rows, dim] and rows_h [rows, 4F] (in T),
+  // for bf16 wide_d [2, rows, dim] and wide_h [rows, 2F] (float32), index, the rows'
+  // combine-weight gradients, the logits' gradient and x's router part
+  const int64_t wide = kIsBf16 ? 4 * rows * (2 * dim + 2 * features) : 0;
+  const int64_t bytes = int64_t{sizeof(T)} * rows * (4 * dim + 4 * features) + wide +
+                        8 * (4 * experts + tokens + 1 + rows) + 4 * rows + 4 * tokens * experts +
+                        int64_t{sizeof(T)} * tokens * dim;
   std::unique_ptr<char[]> owner(new (std::nothrow) char[static_cast<size_t>(bytes + 64 * 10)]);
   if (!owner) return -1;
   char* space = owner.get();
@@ -332,26 +376,80 @@ extern "C" int moe_ffn_decode_backward_bf16(
       entry[0] = e, entry[1] = start, entry[2] = start + counts[e], entry[3] = 0;
     }
   }
-  auto* rows_d = take<bf16_t>(space, at, 4 * rows * dim);
-  auto* rows_h = take<bf16_t>(space, at, 4 * rows * features);
-  auto* wide_d = take<float>(space, at, 2 * rows * dim);
-  auto* wide_h = take<float>(space, at, 2 * rows * features);
+  auto* rows_d = take<T>(space, at, 4 * rows * dim);
+  auto* rows_h = take<T>(space, at, 4 * rows * features);
+  float* wide_d = kIsBf16 ? take<float>(space, at, 2 * rows * dim) : nullptr;
+  float* wide_h = kIsBf16 ? take<float>(space, at, 2 * rows * features) : nullptr;
   auto* index = take<int64_t>(space, at, tokens + 1 + rows);
   auto* grad_rows = take<float>(space, at, rows);
-  if (moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
-          grad_out, ldg, x, ldx, tokens, token, weight, h, 2 * features, w1, w1_expert, ldw1, w2, w2_expert, ldw2,
-          experts, dim, features, table, count, rows, grad_w1, gw1_expert, ldgw1, grad_w2, gw2_expert, ldgw2, stream1,
-          stream2, grad_rows, grad_x, rows_d, rows_h, wide_d, wide_h, outer_rows, index, threads, parallel, thread_num,
-          num_threads) != 0)
+  constexpr auto experts_backward = [] {
+    if constexpr (kIsBf16) return &moe_ffn_avx512_routed_swiglu_backward_blocks_bf16;
+    else return &moe_ffn_avx512_routed_swiglu_backward_blocks_f32;
+  }();
+  if (experts_backward(grad_out, ldg, x, ldx, tokens, token, weight, h, 2 * features, w1, w1_expert, ldw1, w2,
+                       w2_expert, ldw2, experts, dim, features, table, count, rows, grad_w1, gw1_expert, ldgw1, grad_w2,
+                       gw2_expert, ldgw2, stream1, stream2, grad_rows, grad_x, rows_d, rows_h, wide_d, wide_h,
+                       outer_rows, index, threads, parallel, thread_num, num_threads) != 0)
     return -1;
   if (!want_x && grad_router == nullptr) return 0;
   auto* grad_logits = take<float>(space, at, tokens * experts);
-  auto* router_x = want_x ? take<bf16_t>(space, at, tokens * dim) : nullptr;
+  auto* router_x = want_x ? take<T>(space, at, tokens * dim) : nullptr;
   if (moe_ffn_decode_routing_backward(routing, norm, scale, tokens, experts, top_k, logits, ids, order, grad_rows,
-                                      grad_weights, grad_probs, grad_logits_in, grad_logits) != 0 ||
-      moe_ffn_avx512_router_backward_bf16(grad_logits, experts, x, ldx, router, ldr, router_x, dim, grad_router, dim,
-                                          tokens, experts, dim, threads, parallel, thread_num, num_threads) != 0)
+                                      grad_weights, grad_probs, grad_logits_in, grad_logits) != 0)
     return -1;
-  for (int64_t i = 0; want_x && i < tokens * dim; ++i) grad_x[i] = moe_ffn_bf16::round_to_bf16(moe_ffn_bf16::widen(grad_x[i]) + moe_ffn_bf16::widen(router_x[i]));
+  if constexpr (kIsBf16) {
+    if (moe_ffn_avx512_router_backward_bf16(grad_logits, experts, x, ldx, router, ldr, router_x, dim, grad_router, dim,
+                                            tokens, experts, dim, threads, parallel, thread_num, num_threads) != 0)
+      return -1;
+    for (int64_t i = 0; want_x && i < tokens * dim; ++i)
+      grad_x[i] = moe_ffn_bf16::round_to_bf16(moe_ffn_bf16::widen(grad_x[i]) + moe_ffn_bf16::widen(router_x[i]));
+  } else {
+    router_backward_f32(grad_logits, experts, x, ldx, router, ldr, router_x, grad_router, tokens, experts, dim);
+    for (int64_t i = 0; want_x && i < tokens * dim; ++i) grad_x[i] += router_x[i];
+  }
   return 0;
+}
+
+}  // namespace
+
+// The float32 router's backward alone (router_backward_f32, above), for the node's general
+// backward: the same sums as the one-call backward's. Returns 0, or -1 for arguments it does not
+// take.
+extern "C" int moe_ffn_decode_router_backward_f32(const float* g, int64_t ldg, const float* x, int64_t ldx,
+                                                   const float* r, int64_t ldr, float* grad_x, float* grad_r,
+                                                   int64_t tokens, int64_t experts, int64_t dim) {
+  if (tokens < 1 || experts < 1 || dim < 1 || ldg < experts || ldx < dim || ldr < dim) return -1;
+  router_backward_f32(g, ldg, x, ldx, r, ldr, grad_x, grad_r, tokens, experts, dim);
+  return 0;
+}
+
+// decode_backward's two instances (bf16 values as their bits).
+extern "C" int moe_ffn_decode_backward_bf16(
+    const bf16_t* grad_out, int64_t ldg, const bf16_t* x, int64_t ldx, int64_t tokens, int64_t dim,
+    const bf16_t* router, int64_t ldr, int routing, int norm, double scale, int64_t experts, int64_t top_k,
+    const bf16_t* w1, int64_t w1_expert, int64_t ldw1, const bf16_t* w2, int64_t w2_expert, int64_t ldw2,
+    int64_t features, const bf16_t* h, const int64_t* plan, const float* weight, const float* logits,
+    const int64_t* ids, const float* grad_weights, const float* grad_probs, const float* grad_logits_in,
+    bf16_t* grad_w1, int64_t gw1_expert, int64_t ldgw1, bf16_t* grad_w2, int64_t gw2_expert, int64_t ldgw2,
+    int stream1, int stream2, int want_x, bf16_t* grad_x, bf16_t* grad_router, int64_t outer_rows, int threads,
+    void* parallel, void* thread_num, void* num_threads) {
+  return decode_backward(grad_out, ldg, x, ldx, tokens, dim, router, ldr, routing, norm, scale, experts, top_k, w1,
+                         w1_expert, ldw1, w2, w2_expert, ldw2, features, h, plan, weight, logits, ids, grad_weights,
+                         grad_probs, grad_logits_in, grad_w1, gw1_expert, ldgw1, grad_w2, gw2_expert, ldgw2, stream1,
+                         stream2, want_x, grad_x, grad_router, outer_rows, threads, parallel, thread_num, num_threads);
+}
+
+extern "C" int moe_ffn_decode_backward_f32(
+    const float* grad_out, int64_t ldg, const float* x, int64_t ldx, int64_t tokens, int64_t dim, const float* router,
+    int64_t ldr, int routing, int norm, double scale, int64_t experts, int64_t top_k, const float* w1,
+    int64_t w1_expert, int64_t ldw1, const float* w2, int64_t w2_expert, int64_t ldw2, int64_t features,
+    const float* h, const int64_t* plan, const float* weight, const float* logits, const int64_t* ids,
+    const float* grad_weights, const float* grad_probs, const float* grad_logits_in, float* grad_w1,
+    int64_t gw1_expert, int64_t ldgw1, float* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2,
+    int want_x, float* grad_x, float* grad_router, int64_t outer_rows, int threads, void* parallel,
+    void* thread_num, void* num_threads) {
+  return decode_backward(grad_out, ldg, x, ldx, tokens, dim, router, ldr, routing, norm, scale, experts, top_k, w1,
+                         w1_expert, ldw1, w2, w2_expert, ldw2, features, h, plan, weight, logits, ids, grad_weights,
+                         grad_probs, grad_logits_in, grad_w1, gw1_expert, ldgw1, grad_w2, gw2_expert, ldgw2, stream1,
+                         stream2, want_x, grad_x, grad_router, outer_rows, threads, parallel, thread_num, num_threads);
 }

@@ -1,8 +1,8 @@
 """A MoE layer's decode step in one call of the library (`_decode.cpp`): the router's logits,
 scores, top-k and combine weights, the dispatch plan and the experts' one-call forward with its
 weighted sum, for a few tokens on the CPU; with autograd on, one node whose backward is the
-experts' backward of the layer's ops, the routing's and the router's (`_DecodeStep`), for bf16
-on AVX512-BF16 CPUs those three in one call too (`moe_ffn_decode_backward_bf16`).
+experts' backward of the layer's ops, the routing's and the router's (`_DecodeStep`), on
+AVX512-BF16 CPUs those three in one call too (`moe_ffn_decode_backward_bf16` / `_f32`).
 
 Why: a decode step reads its routed experts' weights once (~25 MB for the fine-grained bf16
 shape at T = 1), and that stream empties the caches of everything else: every op of the
@@ -175,7 +175,7 @@ def step(router, experts, x_TD: Tensor) -> tuple[Optional[Tensor], Optional[Rout
     recorded = torch.is_grad_enabled() and (x_TD.requires_grad or r.requires_grad or w1.requires_grad or w2.requires_grad)
     try:
         if recorded:
-            backward = _backward_entry_point() if kind == _BF16 else None
+            backward = _backward_entry_point(x_TD.dtype)
             out_TD, *route = _DecodeStep.apply(x_TD, r, w1, w2, (fn, args, routing, backward))
         else:
             out_TD, *route = _run(fn, args, x_TD, E, K)
@@ -195,13 +195,21 @@ def _routing_backward_entry_point():
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_entry_point():
-    """moe_ffn_decode_backward_bf16 with its argument types where the experts' backward of a
-    bf16 step is the AVX512-BF16 one-call kernel it calls (`_small_gemm.avx512_routed_swiglu_
-    backward_blocks`' CPUs: torch at AVX-512, its entry points ready), else None."""
-    if _small_gemm._avx512_routed_swiglu_backward_entry_point(torch.bfloat16) is None or not _small_gemm._torch_on_avx512():
+def _backward_entry_point(dtype: torch.dtype):
+    """moe_ffn_decode_backward_bf16 / _f32 with its argument types where the experts' backward of
+    a step of `dtype` is the AVX512-BF16 CPUs' one-call kernel it calls (`_small_gemm.avx512_
+    routed_swiglu_backward_blocks`' CPUs: torch at AVX-512, its entry points ready; float32: where
+    MKL's sgemm runs its AVX2 code, so that the float32 blocks kernels take any decode blocks, and
+    the one- and few-row gradients' entry points are ready), else None."""
+    if _small_gemm._avx512_routed_swiglu_backward_entry_point(dtype) is None or not _small_gemm._torch_on_avx512():
         return None
-    fn = getattr(_small_gemm.library(), "moe_ffn_decode_backward_bf16", None)
+    if dtype == torch.float32 and not (
+        _small_gemm.sgemm_at_avx2_width() and _small_gemm._float32_blocks_entry_points() is not None
+        and _small_gemm._few_row_gradients_entry_point(dtype) is not None
+        and _small_gemm._one_row_gradients_f32_entry_point() is not None
+    ):
+        return None
+    fn = getattr(_small_gemm.library(), "moe_ffn_decode_backward_" + ("bf16" if dtype == torch.bfloat16 else "f32"), None)
     if fn is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -217,19 +225,52 @@ def _backward_entry_point():
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _router_backward_f32_entry_point():
+    """moe_ffn_decode_router_backward_f32 with its argument types (where the step's call is built)."""
+    fn = _small_gemm.library().moe_ffn_decode_router_backward_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _router_backward_f32(g_TE: Tensor, x_TD: Tensor, r_ED: Tensor, need_x: bool, need_r: bool):
+    """(x's, the router's gradient) of float32 logits x·rᵀ from their gradient g [T, E] (each None
+    where not needed): the library's double sums, each rounded once, as the one-call backward's."""
+    (T, D), E = x_TD.shape, r_ED.shape[0]
+    gx = torch.empty(T, D) if need_x else None
+    gr = torch.empty(E, D) if need_r else None
+    status = _router_backward_f32_entry_point()(
+        g_TE.data_ptr(), g_TE.stride(0), x_TD.data_ptr(), x_TD.stride(0), r_ED.data_ptr(), r_ED.stride(0), _ptr(gx),
+        _ptr(gr), T, E, D,
+    )
+    if status != 0:
+        raise RuntimeError(f"decode step: the router's backward failed (status {status})")
+    return gx, gr
+
+
 def _ptr(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
 
 
 def _backward_in_one_call(fn, team, routing, g_out, g_route, saved, need_x: bool, need_r: bool):
-    """The node's gradients (x, router, w1, w2) of a bf16 step from one call of the library
-    (moe_ffn_decode_backward_bf16: the calls of the node's general backward, on the same kernels
-    in the same order, the same bits); None where the call declines (nothing kept: the caller
-    computes them again). g_route: the gradients of the weights, probs and logits (None where
-    none came)."""
+    """The node's gradients (x, router, w1, w2) of a step from one call of the library
+    (moe_ffn_decode_backward_bf16 / _f32: the calls of the node's general backward, on the same
+    kernels in the same order, the same bits); None where the call declines or the general
+    backward would not make the experts' part in one call (nothing kept: the caller computes
+    them again). g_route: the gradients of the weights, probs and logits (None where none came)."""
     x_TD, r_ED, w1_EHD, w2_EDF, h_NH, plan, weight_N, logits_TE, ids_TK = saved
     (T, D), (E, H, _), K = x_TD.shape, w1_EHD.shape, ids_TK.shape[1]
-    if T * K > _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS:  # (the general backward's limit too)
+    N = T * K
+    # (grouped._ffn_backward's one call: at most this many rows, in one group of blocks, x's
+    # gradient summed token by token; float32: I ≥ 64 a thread through both weights, where the
+    # float32 blocks kernels take the blocks)
+    if not (
+        N <= _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS and N * H <= grouped._ONE_GROUP_FACTOR * grouped._GROUP_ELEMENTS
+        and grouped._sums_by_token(x_TD, N, D)
+        and (x_TD.dtype == torch.bfloat16 or min(D, H // 2) >= 64 * torch.get_num_threads())
+    ):
         return None
     g_out = g_out if g_out.stride(1) == 1 else g_out.contiguous()
     experts = ids_TK.view(-1).tolist()  # (the experts with rows; gradient_memory sorts them)
@@ -256,14 +297,18 @@ class _DecodeStep(torch.autograd.Function):
     first projection: the layer's own backward of the experts' op), the routing's
     (moe_ffn_decode_routing_backward: the logits' gradient in double from the weights', probs'
     and logits' gradients) and the router's product's (_small_gemm.router_backward for bf16,
-    as the router's own backward for a few tokens; float32 products otherwise), x's two parts
-    added in x's dtype as autograd adds them. For bf16 where the experts' part is the AVX512-BF16
-    one-call kernel, and both expert weights want gradients, those calls are one crossing
-    (`_backward_in_one_call`: the same kernels in the same order, the same bits; float32 keeps
-    them apart, its router products being torch's). Zen 4 EPYC, the benchmark's layer
-    forward+backward with transformers' and the dense blocks stepped between (30 rounds,
-    general → one call, medians): fine-grained T = 1 0.885×, T = 16 0.93×, Mixtral-shaped
-    T = 1 0.94×, T = 16 0.99×."""
+    as the router's own backward for a few tokens; float32: moe_ffn_decode_router_backward_f32,
+    double sums rounded once, as the call's float32 logits), x's two parts added in x's dtype as
+    autograd adds them. Where the experts' part is the AVX512-BF16 CPUs' one-call kernel and
+    both expert weights want gradients, those three are one crossing (`_backward_in_one_call`:
+    the same kernels in the same order, the same bits). Zen 4 EPYC, the benchmark's layer
+    forward+backward with transformers' and the dense blocks stepped between (general → one
+    call, medians): bf16 (30 rounds) fine-grained T = 1 0.885×, T = 16 0.93×, Mixtral-shaped
+    T = 1 0.94×, T = 16 0.99×; float32 against the node's earlier calls (torch's mm for the
+    router; 3 cases of ~11 rounds): fine-grained T = 1 0.92–0.96×, T = 16 0.99×, Mixtral-shaped
+    T = 1 0.95–0.97×, T = 16 0.98×. (The float32 router products alone take longer than
+    torch's two-thread mm at T = 16, 165 against 86 µs warm, one thread's double sums: under
+    1 % of that step.)"""
 
     @staticmethod
     def forward(ctx, x_TD, r_ED, w1_EHD, w2_EDF, call):
@@ -312,8 +357,11 @@ class _DecodeStep(torch.autograd.Function):
             )
             if status != 0:
                 raise RuntimeError(f"decode step: the routing's backward failed (status {status})")
-            router = _small_gemm.router_backward(g_logits_TE, x_TD, r_ED, need_x, need_r)
-            if router is None:  # float32: the products of F.linear's backward
+            if x_TD.dtype == torch.float32:
+                router = _router_backward_f32(g_logits_TE, x_TD, r_ED, need_x, need_r)
+            else:
+                router = _small_gemm.router_backward(g_logits_TE, x_TD, r_ED, need_x, need_r)
+            if router is None:  # (bf16 where the router's kernel does not run: F.linear's products)
                 router = (
                     torch.mm(g_logits_TE, r_ED) if need_x else None,
                     torch.mm(g_logits_TE.t(), x_TD) if need_r else None,

@@ -30,6 +30,15 @@ int moe_ffn_avx512_routed_swiglu_backward_blocks_bf16(
     uint16_t* rows_d, uint16_t* rows_h, float* wide_d, float* wide_h, int64_t outer_rows, int64_t* index, int threads,
     void* parallel, void* thread_num, void* num_threads);
 
+int moe_ffn_avx512_routed_swiglu_backward_blocks_f32(
+    const float* g_out, int64_t ldg_out, const float* x, int64_t ldx, int64_t tokens, const int64_t* token,
+    const float* weight, const float* h, int64_t ldh, const float* w1, int64_t w1_expert, int64_t ldw1,
+    const float* w2, int64_t w2_expert, int64_t ldw2, int64_t experts, int64_t dim, int64_t features,
+    const int64_t* blocks, int64_t count, int64_t rows, float* grad_w1, int64_t gw1_expert, int64_t ldgw1,
+    float* grad_w2, int64_t gw2_expert, int64_t ldgw2, int stream1, int stream2, float* dweight, float* grad_x,
+    float* rows_d, float* rows_h, float* wide_d, float* wide_h, int64_t outer_rows, int64_t* index, int threads,
+    void* parallel, void* thread_num, void* num_threads);
+
 // _decode.cpp
 int moe_ffn_decode_routing_backward(int routing, int norm, double scale, int64_t tokens, int64_t experts,
                                     int64_t top_k, const float* logits, const int64_t* ids, const int64_t* order,

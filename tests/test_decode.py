@@ -26,9 +26,9 @@ def _needs_the_call(dtype: torch.dtype) -> None:
         pytest.skip(f"no one-call decode step for {dtype} here (library not built, or not this CPU's kernels)")
 
 
-def _layer(dtype=torch.float32, **fields) -> MoE:
+def _layer(dtype=torch.float32, dim=D, hidden=F, **fields) -> MoE:
     torch.manual_seed(0)
-    return MoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, **fields).to(dtype).eval()
+    return MoE(dim=dim, hidden_dim=hidden, num_experts=E, top_k=K, **fields).to(dtype).eval()
 
 
 @pytest.fixture
@@ -373,17 +373,30 @@ def test_an_input_without_gradient_gives_the_parameters_the_layers_gradients(cal
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
 
 
-def _needs_the_backward_call() -> None:
-    _needs_the_call(torch.bfloat16)
-    if _decode._backward_entry_point() is None:
-        pytest.skip("no one-call bf16 decode backward here (not an AVX512-BF16 CPU with torch at AVX-512)")
+def _needs_the_backward_call(dtype: torch.dtype) -> None:
+    _needs_the_call(dtype)
+    if _decode._backward_entry_point(dtype) is None:
+        pytest.skip(
+            f"no one-call {dtype} decode backward here (not an AVX512-BF16 CPU with torch at AVX-512; float32: "
+            "MKL's sgemm not at AVX2 width)"
+        )
+
+
+_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+def _widths(dtype: torch.dtype) -> tuple[int, int]:
+    """(D, F) of a layer whose float32 backward the one call takes: the float32 blocks kernels
+    want 64 elements of I a thread through both weights (bf16: the module's D, F)."""
+    least = 64 * torch.get_num_threads() if dtype == torch.float32 else 0
+    return max(D, least), max(F, least)
 
 
 def _node_grads(moe: MoE, x, g, one_call_backward: bool, monkeypatch, x_grad=True, aux=True):
     """Gradients of x and every parameter through the step's node, its backward in one call of
     the library or in the node's general calls."""
-    entry = _decode._backward_entry_point()
-    monkeypatch.setattr(_decode, "_backward_entry_point", lambda: entry if one_call_backward else None)
+    entry = _decode._backward_entry_point(x.dtype)
+    monkeypatch.setattr(_decode, "_backward_entry_point", lambda dtype: entry if one_call_backward else None)
     moe.zero_grad(set_to_none=True)
     leaf = x.clone().requires_grad_(x_grad)
     y = moe(leaf)
@@ -406,6 +419,22 @@ def backward_calls(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("tokens, dim", [(1, 64), (5, 100), (16, 1024)])
+def test_the_float32_router_backward_is_the_float64_products_rounded_once(tokens, dim):
+    """The float32 node's router products (moe_ffn_decode_router_backward_f32, also inside the
+    one-call backward): g·r and gᵀ·x against float64 matmuls rounded to float32, every operand
+    read through its row stride (a slice of a wider tensor), a width that leaves a tail."""
+    _needs_the_call(torch.float32)
+    torch.manual_seed(3)
+    g = torch.randn(tokens, E + 3)[:, 1 : E + 1]
+    x, r = torch.randn(tokens, dim + 5)[:, :dim], torch.randn(E, dim + 2)[:, 2:]
+    gx, gr = _decode._router_backward_f32(g, x, r, True, True)
+    torch.testing.assert_close(gx, (g.double() @ r.double()).float(), rtol=2**-23, atol=0)
+    torch.testing.assert_close(gr, (g.double().t() @ x.double()).float(), rtol=2**-23, atol=0)
+    assert _decode._router_backward_f32(g, x, r, False, True)[0] is None
+    assert _decode._router_backward_f32(g, x, r, True, False)[1] is None
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 @pytest.mark.parametrize(
     "fields",
@@ -413,14 +442,16 @@ def backward_calls(monkeypatch):
     ids=["softmax_topk", "softmax_unnormalised", "topk_softmax", "sigmoid_scaled"],
 )
 @pytest.mark.parametrize("aux, x_grad", [(True, True), (False, True), (True, False)], ids=["aux", "no_aux", "x_frozen"])
-def test_the_bf16_backward_in_one_call_gives_the_nodes_general_bits(tokens, fields, aux, x_grad, calls, backward_calls, monkeypatch):
-    """moe_ffn_decode_backward_bf16 (the experts', the routing's and the router's backward in
-    one call) against the node's general backward on the same step: every gradient bit for
-    bit, with the aux losses' gradients on the logits and probs or without, x with or without
-    a gradient."""
-    _needs_the_backward_call()
-    moe = _layer(torch.bfloat16, aux_loss_coef=0.01, z_loss_coef=0.001, **fields).train()
-    x, g = torch.randn(tokens, D).bfloat16(), torch.randn(tokens, D).bfloat16()
+@_DTYPES
+def test_the_backward_in_one_call_gives_the_nodes_general_bits(dtype, tokens, fields, aux, x_grad, calls, backward_calls, monkeypatch):
+    """moe_ffn_decode_backward_bf16 / _f32 (the experts', the routing's and the router's
+    backward in one call) against the node's general backward on the same step: every gradient
+    bit for bit, with the aux losses' gradients on the logits and probs or without, x with or
+    without a gradient."""
+    _needs_the_backward_call(dtype)
+    d, f = _widths(dtype)
+    moe = _layer(dtype, d, f, aux_loss_coef=0.01, z_loss_coef=0.001, **fields).train()
+    x, g = torch.randn(tokens, d).to(dtype), torch.randn(tokens, d).to(dtype)
     got = _node_grads(moe, x, g, True, monkeypatch, x_grad, aux)
     general = _node_grads(moe, x, g, False, monkeypatch, x_grad, aux)
     assert calls == [(True, True)] * 2 and backward_calls == [True]
@@ -433,13 +464,15 @@ def test_the_bf16_backward_in_one_call_gives_the_nodes_general_bits(tokens, fiel
     assert got[1].abs().sum() > 0 and got[2].abs().sum() > 0
 
 
-def test_a_frozen_router_or_expert_weight_takes_the_general_backward(calls, backward_calls, monkeypatch):
+@_DTYPES
+def test_a_frozen_router_or_expert_weight_takes_the_general_backward(dtype, calls, backward_calls, monkeypatch):
     """A frozen router: the call gives no router gradient (its product skipped), the same bits
     as the general backward; a frozen expert weight: the general backward (the call writes both
     weights' gradients), which gives the other its gradient."""
-    _needs_the_backward_call()
-    moe = _layer(torch.bfloat16).train()
-    x, g = torch.randn(4, D).bfloat16(), torch.randn(4, D).bfloat16()
+    _needs_the_backward_call(dtype)
+    d, f = _widths(dtype)
+    moe = _layer(dtype, d, f).train()
+    x, g = torch.randn(4, d).to(dtype), torch.randn(4, d).to(dtype)
     moe.router.weight.requires_grad_(False)
     got = _node_grads(moe, x, g, True, monkeypatch)
     general = _node_grads(moe, x, g, False, monkeypatch)
@@ -453,25 +486,28 @@ def test_a_frozen_router_or_expert_weight_takes_the_general_backward(calls, back
     assert got[3] is None and all(torch.equal(a, b) for a, b in zip(got[:3], general[:3]))
 
 
-def test_a_declined_backward_call_is_computed_again_whole(calls, monkeypatch):
+@_DTYPES
+def test_a_declined_backward_call_is_computed_again_whole(dtype, calls, monkeypatch):
     """Where the call declines after writing part of the gradients (status -1), the node's
     general backward computes every gradient again: the same bits as without the call."""
-    _needs_the_backward_call()
-    entry = _decode._backward_entry_point()
+    _needs_the_backward_call(dtype)
+    entry = _decode._backward_entry_point(dtype)
     declined = []
+    size = torch.empty((), dtype=dtype).element_size()
+    d, f = _widths(dtype)
 
     def declining(*args):
         assert entry(*args) == 0
-        for at, nbytes in ((28, 2 * E * 2 * F * D), (31, 2 * E * D * F), (37, 2 * 3 * D)):  # gradients scribbled over
+        for at, nbytes in ((28, size * E * 2 * f * d), (31, size * E * d * f), (37, size * 3 * d)):  # gradients scribbled over
             ctypes.memset(args[at], 0x7F, nbytes)
         declined.append(True)
         return -1
 
-    moe = _layer(torch.bfloat16, aux_loss_coef=0.01).train()
-    x, g = torch.randn(3, D).bfloat16(), torch.randn(3, D).bfloat16()
+    moe = _layer(dtype, d, f, aux_loss_coef=0.01).train()
+    x, g = torch.randn(3, d).to(dtype), torch.randn(3, d).to(dtype)
     general = _node_grads(moe, x, g, False, monkeypatch)
     moe.zero_grad(set_to_none=True)
-    monkeypatch.setattr(_decode, "_backward_entry_point", lambda: declining)
+    monkeypatch.setattr(_decode, "_backward_entry_point", lambda dtype: declining)
     leaf = x.clone().requires_grad_()
     y = moe(leaf)
     ((y.float() * g.float()).sum() + 10 * moe.stats.aux_loss).backward()
@@ -482,20 +518,22 @@ def test_a_declined_backward_call_is_computed_again_whole(calls, monkeypatch):
 
 @pytest.mark.parametrize(
     "loss",
-    [lambda y: (y * torch.randn(1, D).bfloat16()).sum(), lambda y: (y.float() * torch.randn(D, 6).t()).sum(),
+    [lambda y: (y * torch.randn(1, y.shape[1]).to(y.dtype)).sum(), lambda y: (y.float() * torch.randn(y.shape[1], 6).t()).sum(),
      lambda y: y[2:4].float().square().sum()],
     ids=["one_row_expanded", "transposed", "rows_sliced"],
 )
-def test_the_one_call_backward_takes_output_gradients_of_any_layout(loss, backward_calls, monkeypatch):
+@_DTYPES
+def test_the_one_call_backward_takes_output_gradients_of_any_layout(dtype, loss, backward_calls, monkeypatch):
     """The output's gradient as autograd hands it over: a row expanded over the tokens (rows 0
     elements apart, read as they lie), transposed (made contiguous first), zero outside a
     slice: the same bits as the node's general backward."""
-    _needs_the_backward_call()
-    moe = _layer(torch.bfloat16).train()
-    x = torch.randn(6, D).bfloat16()
-    grads, entry = [], _decode._backward_entry_point()
+    _needs_the_backward_call(dtype)
+    d, f = _widths(dtype)
+    moe = _layer(dtype, d, f).train()
+    x = torch.randn(6, d).to(dtype)
+    grads, entry = [], _decode._backward_entry_point(dtype)
     for one_call in (True, False):
-        monkeypatch.setattr(_decode, "_backward_entry_point", lambda: entry if one_call else None)
+        monkeypatch.setattr(_decode, "_backward_entry_point", lambda dtype: entry if one_call else None)
         moe.zero_grad(set_to_none=True)
         leaf = x.clone().requires_grad_()
         torch.manual_seed(1)
