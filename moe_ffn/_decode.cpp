@@ -285,14 +285,6 @@ extern "C" int moe_ffn_decode_routing_backward(int routing, int norm, double sca
 
 namespace {
 
-// The backward of the router's float32 product logits = x·rᵀ for a few tokens: grad_x [tokens,
-// dim] = g·r and grad_r [experts, dim] = gᵀ·x (g [tokens, experts] rows ldg apart; each output
-// null where not wanted, rows dim apart), each element's products exact in double, summed in
-// double in the experts' (grad_x) or the tokens' (grad_r) order, rounded to float32 once — as
-// the forward's logits_f32 sums (a product of two floats is exact in double: FMA or not, the
-// same bits). For the decode step's node: torch's
-// float32 products, called from Python around the experts' backward, were two more crossings
-// and torch ops run with the caches emptied by the weights' stream.
 // out[d] = Σ_i c[i·ldc]·v[i·ldv + d] over i < n for d < dim (products exact in double, summed in
 // double in i's order, rounded once): 32 columns at a time in eight registers (FMA chains enough
 // to cover its latency), the rest one by one.
@@ -316,6 +308,14 @@ void weighted_rows_f32(const float* c, int64_t ldc, const float* v, int64_t ldv,
   }
 }
 
+// The backward of the router's float32 product logits = x·rᵀ for a few tokens: grad_x [tokens,
+// dim] = g·r and grad_r [experts, dim] = gᵀ·x (g [tokens, experts] rows ldg apart; each output
+// null where not wanted, rows dim apart), each element's products exact in double, summed in
+// double in the experts' (grad_x) or the tokens' (grad_r) order, rounded to float32 once, as
+// the forward's logits_f32 sums (a product of two floats is exact in double: FMA or not, the
+// same bits). For the decode step's node, where torch's float32 products, called from Python
+// around the experts' backward, were two more crossings and torch ops run with the caches
+// emptied by the weights' stream.
 void router_backward_f32(const float* g, int64_t ldg, const float* x, int64_t ldx, const float* r, int64_t ldr,
                          float* grad_x, float* grad_r, int64_t tokens, int64_t experts, int64_t dim) {
   for (int64_t t = 0; grad_x && t < tokens; ++t) weighted_rows_f32(g + t * ldg, 1, r, ldr, experts, dim, grad_x + t * dim);
