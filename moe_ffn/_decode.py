@@ -204,9 +204,7 @@ def _backward_entry_point(dtype: torch.dtype):
     if _small_gemm._avx512_routed_swiglu_backward_entry_point(dtype) is None or not _small_gemm._torch_on_avx512():
         return None
     if dtype == torch.float32 and not (
-        _small_gemm.sgemm_at_avx2_width() and _small_gemm._float32_blocks_entry_points() is not None
-        and _small_gemm._few_row_gradients_entry_point(dtype) is not None
-        and _small_gemm._one_row_gradients_f32_entry_point() is not None
+        _small_gemm.sgemm_at_avx2_width() and _small_gemm._one_row_gradients_f32_entry_point() is not None
     ):
         return None
     fn = getattr(_small_gemm.library(), "moe_ffn_decode_backward_" + ("bf16" if dtype == torch.bfloat16 else "f32"), None)
@@ -264,12 +262,15 @@ def _backward_in_one_call(fn, team, routing, g_out, g_route, saved, need_x: bool
     (T, D), (E, H, _), K = x_TD.shape, w1_EHD.shape, ids_TK.shape[1]
     N = T * K
     # (grouped._ffn_backward's one call: at most this many rows, in one group of blocks, x's
-    # gradient summed token by token; float32: I ≥ 64 a thread through both weights, where the
-    # float32 blocks kernels take the blocks)
+    # gradient summed token by token; float32: the few-row gradients taking both weights, which
+    # with sgemm at AVX2 width (the entry point's condition) rests on the weights' shapes alone)
     if not (
         N <= _small_gemm.ONE_CALL_BACKWARD_MAX_STEP_ROWS and N * H <= grouped._ONE_GROUP_FACTOR * grouped._GROUP_ELEMENTS
         and grouped._sums_by_token(x_TD, N, D)
-        and (x_TD.dtype == torch.bfloat16 or min(D, H // 2) >= 64 * torch.get_num_threads())
+        and (
+            x_TD.dtype == torch.bfloat16
+            or all(_small_gemm._few_row_gradients_for(w, []) is not None for w in (w1_EHD, w2_EDF))
+        )
     ):
         return None
     g_out = g_out if g_out.stride(1) == 1 else g_out.contiguous()
